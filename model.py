@@ -1,0 +1,375 @@
+"""A Llama-style transformer of our own, its preallocated KV cache, and a loader for HF checkpoints.
+
+Dimensions: B batch, T new tokens, S cache slots, C hidden, H query heads, K key/value heads,
+D head dim, V vocab, F intermediate (MLP) size.
+
+The KV cache is written by absolute slot. A forward pass appends T tokens that see the whole cached
+prefix plus an arbitrary (T, T) boolean mask among themselves; plain decoding passes the causal
+mask, tree verification passes the tree's ancestor mask. Afterwards `KVCache.keep` keeps a chosen
+subset of the new slots (the accepted path) and moves the length: that is the whole rollback.
+"""
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kernels import attention_mask
+
+
+class LoadError(ValueError):
+    """A checkpoint or config that cannot be loaded; the message names the file or tensor."""
+
+
+@dataclass
+class RopeScaling:
+    """Llama 3.1/3.2 frequency-dependent RoPE scaling (HF rope_type "llama3")."""
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_positions: int
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 49152
+    hidden_size: int = 576             # C
+    intermediate_size: int = 1536      # F
+    num_layers: int = 30
+    num_heads: int = 9                 # H
+    num_kv_heads: int = 3              # K (GQA: each K head serves H/K query heads)
+    head_dim: int = 0                  # D; 0 means hidden_size // num_heads
+    rms_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_positions: int = 8192
+    tie_embeddings: bool = True
+    attention_bias: bool = False       # q/k/v/o biases; a checkpoint may omit o's (then zero)
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise LoadError(f"num_attention_heads={self.num_heads} is not a multiple of "
+                            f"num_key_value_heads={self.num_kv_heads}")
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "LlamaConfig":
+        """Read a Hugging Face config.json dict; refuse what this model cannot run."""
+        arch = hf.get("architectures") or ["LlamaForCausalLM"]
+        if hf.get("model_type", "llama") != "llama" or arch[0] != "LlamaForCausalLM":
+            raise LoadError(f"unsupported architecture {arch[0]!r} (model_type "
+                            f"{hf.get('model_type')!r}): only LlamaForCausalLM is supported")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise LoadError(f"unsupported hidden_act {hf['hidden_act']!r}: only silu")
+        if hf.get("mlp_bias", False):
+            raise LoadError("unsupported config: mlp_bias=true")
+        # transformers 4 writes rope_theta and rope_scaling; transformers 5 one rope_parameters.
+        rs = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        theta = rs.get("rope_theta", hf.get("rope_theta", 10000.0))
+        scaling = None
+        if rs:
+            kind = rs.get("rope_type", rs.get("type", "default"))
+            if kind == "llama3":
+                scaling = RopeScaling(rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"],
+                                      rs["original_max_position_embeddings"])
+            elif kind != "default":
+                raise LoadError(f"unsupported rope_scaling type {kind!r}: only 'llama3' and none")
+        try:
+            return cls(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+                       intermediate_size=hf["intermediate_size"],
+                       num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+                       num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+                       head_dim=hf.get("head_dim") or 0, rms_eps=hf.get("rms_norm_eps", 1e-6),
+                       rope_theta=theta, rope_scaling=scaling,
+                       max_positions=hf.get("max_position_embeddings", 2048),
+                       tie_embeddings=hf.get("tie_word_embeddings", False),
+                       attention_bias=hf.get("attention_bias", False))
+        except KeyError as e:
+            raise LoadError(f"config.json lacks the field {e.args[0]!r}") from None
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """(D/2,) float32 inverse frequencies, with Llama 3 scaling applied when configured."""
+    D = config.head_dim
+    inv = 1.0 / config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
+    s = config.rope_scaling
+    if s is None:
+        return inv
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    wavelen = 2 * math.pi / inv
+    low_wl = s.original_max_positions / s.low_freq_factor
+    high_wl = s.original_max_positions / s.high_freq_factor
+    scaled = torch.where(wavelen > low_wl, inv / s.factor, inv)
+    smooth = (s.original_max_positions / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype) -> tuple:
+    """positions (B, T) -> cos, sin of shape (B, T, 1, D), HF's half-split layout."""
+    freqs = positions.to(torch.float32)[..., None] * inv_freq     # (B, T, D/2)
+    angles = torch.cat([freqs, freqs], dim=-1)[:, :, None]        # (B, T, 1, D)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, T, heads, D). Math: x * e^(i * pos * freq) on pairs (x[j], x[j + D/2])."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    """Fused torch kernel (it accumulates in float32 for 16-bit inputs)."""
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # Normalize in float32 as the reference does: bf16 squares lose too much precision.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+@dataclass
+class KVCache:
+    """Preallocated keys and values for every layer, written by absolute slot."""
+    k: torch.Tensor          # (layers, B, K, S, D)
+    v: torch.Tensor          # (layers, B, K, S, D)
+    length: int = 0          # slots [0, length) hold the committed prefix
+
+    @classmethod
+    def allocate(cls, config: LlamaConfig, batch: int, slots: int, dtype, device) -> "KVCache":
+        shape = (config.num_layers, batch, config.num_kv_heads, slots, config.head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device),
+                   torch.zeros(shape, dtype=dtype, device=device))
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[3]
+
+    def keep(self, start: int, idx: torch.Tensor) -> None:
+        """Keep slots start + idx (in that order) at start, start + 1, ...; drop the rest.
+
+        idx (n,) long, relative to start. One gather-and-copy per tensor for all layers."""
+        n = idx.shape[0]
+        src = idx.to(self.k.device) + start
+        self.k[:, :, :, start:start + n] = self.k.index_select(3, src)
+        self.v[:, :, :, start:start + n] = self.v.index_select(3, src)
+        self.length = start + n
+
+
+class Attention(nn.Module):
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.c = c
+        qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        # q, k and v fused into one matmul: at batch 1 every kernel launch costs.
+        self.wqkv = nn.Linear(c.hidden_size, qkv, bias=c.attention_bias)
+        self.wo = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, start, mask):
+        """x (B, T, C); k_cache, v_cache (B, K, S, D); mask (T, start + T) bool or None (all)."""
+        B, T, _ = x.shape
+        H, K = self.c.num_heads, self.c.num_kv_heads
+        qkv = self.wqkv(x).view(B, T, H + 2 * K, -1)                   # (B, T, H + 2K, D)
+        qk = apply_rope(qkv[:, :, :H + K], cos, sin)                    # q and k in one go
+        q = qk[:, :, :H].transpose(1, 2)                                # (B, H, T, D)
+        k = qk[:, :, H:].transpose(1, 2)                                # (B, K, T, D)
+        v = qkv[:, :, H + K:].transpose(1, 2)                           # (B, K, T, D)
+        k_cache[:, :, start:start + T] = k
+        v_cache[:, :, start:start + T] = v
+        keys, values = k_cache[:, :, :start + T], v_cache[:, :, :start + T]   # (B, K, start+T, D)
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))            # (B, T, C)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.w13 = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)  # gate, up fused
+        self.w2 = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_eps)
+        self.attn = Attention(c)
+        self.mlp_norm = RMSNorm(c.hidden_size, c.rms_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, start, mask):
+        x = x + self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, start, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def forward(self, tokens, positions, cache: KVCache, mask=None, last_only=False):
+        """tokens, positions (B, T) long -> logits (B, T or 1, V), final hidden (B, T, C).
+
+        The T tokens are written to cache slots [cache.length, cache.length + T) and the length
+        moves past them. `mask` (T, T) bool says which new tokens each new token sees (None:
+        causal), all of them seeing the whole prefix; or (T, length + T) says it for every slot. Positions are absolute, so a tree
+        node's position is prefix length + depth, not its slot."""
+        B, T = tokens.shape
+        start = cache.length
+        if start + T > cache.slots:
+            raise ValueError(f"KV cache full: {start} + {T} tokens > {cache.slots} slots")
+        full_mask = attention_mask(start, T, mask, tokens.device)
+        cos, sin = rope_cos_sin(self.inv_freq, positions.expand(B, T), self.embed.weight.dtype)
+        x = self.embed(tokens)                                          # (B, T, C)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], start, full_mask)
+        cache.length = start + T
+        hidden = self.norm(x)
+        logits = self.lm_head(hidden[:, -1:] if last_only else hidden)  # (B, T or 1, V)
+        return logits, hidden
+
+    def new_cache(self, batch: int = 1, slots: int | None = None) -> KVCache:
+        w = self.embed.weight
+        return KVCache.allocate(self.config, batch, slots or self.config.max_positions,
+                                w.dtype, w.device)
+
+
+# ---------------------------------------------------------------- loading HF checkpoints
+
+def hf_tensor_shapes(c: LlamaConfig) -> dict:
+    """The tensors a HF Llama checkpoint must hold for this config, name -> shape."""
+    C, D = c.hidden_size, c.head_dim
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, C), "model.norm.weight": (C,)}
+    if not c.tie_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, C)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (C,), p + "post_attention_layernorm.weight": (C,),
+                   p + "self_attn.q_proj.weight": (c.num_heads * D, C),
+                   p + "self_attn.k_proj.weight": (c.num_kv_heads * D, C),
+                   p + "self_attn.v_proj.weight": (c.num_kv_heads * D, C),
+                   p + "self_attn.o_proj.weight": (C, c.num_heads * D),
+                   p + "mlp.gate_proj.weight": (c.intermediate_size, C),
+                   p + "mlp.up_proj.weight": (c.intermediate_size, C),
+                   p + "mlp.down_proj.weight": (C, c.intermediate_size)}
+        if c.attention_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (c.num_heads * D,),
+                       p + "self_attn.k_proj.bias": (c.num_kv_heads * D,),
+                       p + "self_attn.v_proj.bias": (c.num_kv_heads * D,)}
+    return shapes
+
+
+def to_our_names(hf: dict, c: LlamaConfig) -> dict:
+    """Rename HF tensors to this model's names, fusing q/k/v and gate/up."""
+    sd = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    sd["lm_head.weight"] = hf["model.embed_tokens.weight" if c.tie_embeddings else "lm_head.weight"]
+    for i in range(c.num_layers):
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+        a = p + "self_attn."
+        sd[o + "attn_norm.weight"] = hf[p + "input_layernorm.weight"]
+        sd[o + "mlp_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
+        sd[o + "attn.wqkv.weight"] = torch.cat([hf[a + n + "_proj.weight"] for n in "qkv"])
+        if c.attention_bias:
+            sd[o + "attn.wqkv.bias"] = torch.cat([hf[a + n + "_proj.bias"] for n in "qkv"])
+        sd[o + "attn.wo.weight"] = hf[a + "o_proj.weight"]
+        if c.attention_bias:
+            zero = hf[a + "o_proj.weight"].new_zeros(c.hidden_size)
+            sd[o + "attn.wo.bias"] = hf.get(a + "o_proj.bias", zero)
+        sd[o + "mlp.w13.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"],
+                                              hf[p + "mlp.up_proj.weight"]])
+        sd[o + "mlp.w2.weight"] = hf[p + "mlp.down_proj.weight"]
+    return sd
+
+
+def read_json(path: str, what: str) -> dict:
+    if not os.path.isfile(path):
+        raise LoadError(f"{what} not found: {path}")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise LoadError(f"{path} is not valid JSON: {e}") from None
+
+
+def safetensors_files(folder: str) -> list:
+    """The weight files of a HF folder: one model.safetensors, or the shards its index names."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        names = sorted(set(read_json(index, "shard index")["weight_map"].values()))
+        return [os.path.join(folder, n) for n in names]
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise LoadError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+
+
+def read_safetensors(files: list, dtype) -> dict:
+    """All tensors of the files, cast to dtype; a truncated or corrupt file names itself."""
+    from safetensors import SafetensorError, safe_open
+    tensors = {}
+    for path in files:
+        if not os.path.isfile(path):
+            raise LoadError(f"weight file not found: {path}")
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    tensors[name] = f.get_tensor(name).to(dtype)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise LoadError(f"cannot read {path} (truncated or corrupt?): {e}") from None
+    return tensors
+
+
+def check_tensors(tensors: dict, c: LlamaConfig) -> None:
+    """Every expected tensor present with its shape, nothing unexpected: else one clear error."""
+    expected = hf_tensor_shapes(c)
+    tolerated = {"lm_head.weight"} if c.tie_embeddings else set()   # some tied checkpoints keep it
+    if c.attention_bias:                                             # optional: absent means zero
+        tolerated |= {f"model.layers.{i}.self_attn.o_proj.bias" for i in range(c.num_layers)}
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(n for n in set(tensors) - set(expected) - tolerated
+                   if not n.endswith("rotary_emb.inv_freq"))
+    if missing:
+        raise LoadError(f"checkpoint lacks tensor {missing[0]}" +
+                        (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    if extra:
+        raise LoadError(f"checkpoint has unexpected tensor {extra[0]}" +
+                        (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "") +
+                        ": not a plain Llama for this config.json?")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise LoadError(f"tensor {name} has shape {tuple(tensors[name].shape)}, "
+                            f"config.json implies {shape}")
+
+
+def load_model(folder: str, dtype=torch.float32, device="cpu") -> Llama:
+    """Load a Hugging Face Llama folder (config.json + safetensors, sharded or not)."""
+    if not os.path.isdir(folder):
+        raise LoadError(f"model folder not found: {folder}")
+    config = LlamaConfig.from_hf(read_json(os.path.join(folder, "config.json"), "config.json"))
+    tensors = read_safetensors(safetensors_files(folder), dtype)
+    check_tensors(tensors, config)
+    with torch.device("meta"):
+        model = Llama(config)
+    model.load_state_dict(to_our_names(tensors, config), assign=True)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model.inv_freq = rope_inv_freq(config)
+    return model.to(device).eval()

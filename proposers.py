@@ -1,0 +1,125 @@
+"""Proposers: they draft a tree of candidate tokens; the target verifies it in one pass.
+
+Dimensions: N tree nodes, K drafted chain tokens, V vocab, P pending tokens.
+
+Every proposer has the same three calls, used by spec.generate_spec:
+  start(prompt_ids)                      before the first step;
+  propose(root, gen, generator)          -> (Tree, q): q (K, V) the draft's distributions when the
+                                         chain was sampled from them, else None (deterministic);
+  commit(tree, accepted)                 the accepted node indices (root first), after verification.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from kernels import target_probs, sample
+from model import Llama, LlamaConfig
+from tree import Tree, ancestor_mask, chain, grow_tree
+
+
+@dataclass
+class DraftConfig:
+    depth: int = 4           # tokens drafted along each path (--num-speculative-tokens)
+    top_k: int = 1           # children per expanded node; 1 drafts a chain (--draft-top-k)
+    total: int = 0           # nodes kept in a tree; 0 means depth * top_k
+
+    def __post_init__(self):
+        if self.total == 0:
+            self.total = self.depth * self.top_k
+
+
+def truncated_draft(target: Llama, layers: int) -> Llama:
+    """A draft made of the target's first `layers` blocks plus its final norm and head.
+
+    It shares the target's weights (no copy): the only memory it adds is its KV cache."""
+    if not 1 <= layers <= target.config.num_layers:
+        raise ValueError(f"--draft-layers must be in 1..{target.config.num_layers}, got {layers}")
+    config = LlamaConfig(**{**target.config.__dict__, "num_layers": layers})
+    with torch.device("meta"):
+        draft = Llama(config)
+    draft.embed, draft.norm, draft.lm_head = target.embed, target.norm, target.lm_head
+    draft.layers = torch.nn.ModuleList(target.layers[:layers])
+    draft.inv_freq = target.inv_freq
+    return draft.eval()
+
+
+class DraftModelProposer:
+    """A smaller Llama with the same tokenizer drafts a chain, or an EAGLE-2-style tree.
+
+    Its KV cache holds the committed tokens; tokens the target accepted that the draft never fed
+    itself wait in `pending` and go in with the next proposal."""
+
+    def __init__(self, model: Llama, config: DraftConfig, slots: int):
+        self.model, self.config, self.slots = model, config, slots
+        self.device = model.embed.weight.device
+
+    def start(self, prompt_ids: list) -> None:
+        self.cache = self.model.new_cache(1, self.slots)
+        self.pending = list(prompt_ids)
+
+    def feed_pending(self, root: int) -> torch.Tensor:
+        """Feed pending tokens and the root causally; (V,) logits after the root."""
+        start = self.cache.length
+        ids = torch.tensor([self.pending + [root]], device=self.device)      # (1, P + 1)
+        pos = torch.arange(start, start + ids.shape[1], device=self.device)[None]
+        logits, _ = self.model(ids, pos, self.cache, last_only=True)
+        self.base, self.root_slot = start, self.cache.length - 1
+        return logits[0, -1]
+
+    def propose(self, root: int, gen, generator) -> tuple:
+        c = self.config
+        if gen.temperature > 0 and c.top_k == 1:
+            return self.sampled_chain(root, gen, generator)
+        first = torch.log_softmax(self.feed_pending(root).float(), -1)
+        # node index -> draft cache slot, -1 for nodes never fed (leaves of the last round).
+        self.node_slot = torch.full((2 + c.depth * c.top_k * c.top_k,), -1, dtype=torch.long)
+        self.node_slot[0] = self.root_slot
+
+        def expand(frontier, tree):
+            if tree.size == 1:
+                return first[None]
+            return self.feed_nodes(frontier, tree)
+
+        tree, kept = grow_tree(expand, root, c.depth, c.top_k, c.total)
+        self.node_slot = self.node_slot[kept]
+        return tree, None
+
+    def feed_nodes(self, frontier: torch.Tensor, tree: Tree) -> torch.Tensor:
+        """Feed tree nodes into the draft cache, each seeing its own ancestors; (F, V) log-probs."""
+        F, length = frontier.shape[0], self.cache.length
+        anc = ancestor_mask(tree.parents, tree.depths)[frontier]             # (F, N)
+        fed = (self.node_slot[:tree.size] >= 0).nonzero().squeeze(1)
+        mask = torch.zeros(F, length + F, dtype=torch.bool)                 # (F, slots + F)
+        mask[:, :self.root_slot + 1] = True
+        mask[:, self.node_slot[fed]] = anc[:, fed]
+        mask[:, length:] = torch.eye(F, dtype=torch.bool)
+        ids = tree.tokens[frontier][None].to(self.device)                   # (1, F)
+        pos = (self.root_slot + tree.depths[frontier])[None].to(self.device)
+        logits, _ = self.model(ids, pos, self.cache, mask=mask.to(self.device))
+        self.node_slot[frontier] = torch.arange(length, length + F)
+        return torch.log_softmax(logits[0].float(), -1)
+
+    def sampled_chain(self, root: int, gen, generator) -> tuple:
+        """Draw K tokens from the draft's own q (same temperature and top-p as the target)."""
+        logits = self.feed_pending(root)
+        tokens, qs = [], []
+        for i in range(self.config.depth):
+            q = target_probs(logits, gen.temperature, gen.top_p)             # (V,)
+            tokens.append(int(sample(q, generator)))
+            qs.append(q)
+            if i + 1 < self.config.depth:
+                pos = torch.tensor([[self.cache.length]], device=self.device)
+                ids = torch.tensor([[tokens[-1]]], device=self.device)
+                logits = self.model(ids, pos, self.cache, last_only=True)[0][0, -1]
+        K = self.config.depth
+        self.node_slot = torch.cat([torch.arange(self.root_slot, self.root_slot + K),
+                                    torch.tensor([-1])])
+        return chain(root, tokens), torch.stack(qs)                         # q (K, V)
+
+    def commit(self, tree: Tree, accepted: torch.Tensor) -> None:
+        """Keep the accepted nodes the draft fed; the others become pending."""
+        slots = self.node_slot[accepted.cpu()]
+        n_fed = int((slots >= 0).sum())              # fed nodes form a prefix of the path
+        keep = torch.cat([torch.arange(len(self.pending)), slots[:n_fed] - self.base])
+        self.cache.keep(self.base, keep)
+        self.pending = tree.tokens[accepted[n_fed:].cpu()].tolist()

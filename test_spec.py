@@ -1,0 +1,628 @@
+"""Tests: oracles are transformers' Llama, the HF tokenizers library, plain decoding, and exact
+enumeration of sampling distributions. Tiny random models run in float64 so that no float near-tie
+can excuse a mismatch. Tests marked `slow` use the real default model (fetched once, ~93 MB)."""
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import kernels
+from kernels import accept_chain_sampled, accept_tree, sample
+from model import KVCache, Llama, LlamaConfig, LoadError, load_model
+from proposers import DraftConfig, DraftModelProposer, truncated_draft
+from spec import GenConfig, generate_ar, generate_spec
+from tree import (Tree, ancestor_mask, chain, grow_tree, make_tree, positions, retrieve_indices,
+                  static_tree)
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_config(**kw) -> LlamaConfig:
+    base = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                num_kv_heads=2, max_positions=512, rope_theta=10000.0, tie_embeddings=False)
+    return LlamaConfig(**{**base, **kw})
+
+
+def tiny_model(seed=0, **kw) -> Llama:
+    torch.manual_seed(seed)
+    model = Llama(tiny_config(**kw)).to(torch.float64).eval()
+    with torch.no_grad():   # larger weights than nn's defaults: peaky, varied next-token choices
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    return model
+
+
+def run_full(model, ids):
+    cache = model.new_cache(1, 256)
+    logits, hidden = model(torch.tensor([ids]), torch.arange(len(ids))[None], cache)
+    return logits[0], hidden[0], cache
+
+
+# ---------------------------------------------------------------- model vs transformers
+
+HF_CASES = {
+    "gqa_untied": dict(num_key_value_heads=2, tie_word_embeddings=False),
+    "mha_tied": dict(num_key_value_heads=4, tie_word_embeddings=True),
+    "llama3_rope": dict(num_key_value_heads=1, rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}),
+    "attention_bias": dict(num_key_value_heads=2, attention_bias=True),
+    "head_dim": dict(num_key_value_heads=2, head_dim=8),
+}
+
+
+def hf_checkpoint(tmp_path, shard=None, **kw):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   max_position_embeddings=256, **kw)
+    hf = transformers.LlamaForCausalLM(cfg).to(torch.float64).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)          # HF initializes biases to zero: make them matter
+    hf.save_pretrained(tmp_path, **({"max_shard_size": shard} if shard else {}))
+    return hf
+
+
+@pytest.mark.parametrize("case", sorted(HF_CASES))
+def test_logits_equal_transformers_llama(tmp_path, case):
+    hf = hf_checkpoint(tmp_path, **HF_CASES[case])
+    ours = load_model(str(tmp_path), torch.float64)
+    ids = torch.randint(0, 97, (2, 37), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        got, _ = ours(ids, torch.arange(37)[None], ours.new_cache(2, 64))
+    assert torch.allclose(got, ref, atol=1e-6, rtol=0), f"{case}: max diff {(got - ref).abs().max()}"
+
+
+def test_sharded_checkpoint_loads_same_as_single_file(tmp_path):
+    hf_checkpoint(tmp_path / "sharded", shard="30KB", num_key_value_heads=2)
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists(), "not sharded"
+    hf_checkpoint(tmp_path / "single", num_key_value_heads=2)
+    a = load_model(str(tmp_path / "sharded"), torch.float64)
+    b = load_model(str(tmp_path / "single"), torch.float64)
+    for (n, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), f"sharded and single-file checkpoints differ at {n}"
+
+
+def test_incremental_decoding_equals_full_forward():
+    model = tiny_model()
+    ids = [3, 14, 15, 9, 26, 5, 35, 8, 9, 7]
+    full, _, _ = run_full(model, ids)
+    cache = model.new_cache(1, 64)
+    model(torch.tensor([ids[:4]]), torch.arange(4)[None], cache)
+    steps = []
+    for i in range(4, len(ids)):
+        logits, _ = model(torch.tensor([[ids[i]]]), torch.tensor([[i]]), cache, last_only=True)
+        steps.append(logits[0, -1])
+    assert torch.allclose(torch.stack(steps), full[4:], atol=1e-10)
+
+
+def test_keeping_a_subset_of_slots_equals_appending_only_those():
+    model = tiny_model()
+    prefix, new = [1, 2, 3], [10, 11, 12, 13, 14]
+    cache = model.new_cache(1, 64)
+    model(torch.tensor([prefix]), torch.arange(3)[None], cache)
+    # Append all five as siblings (each sees only the prefix and itself), then keep two of them.
+    model(torch.tensor([new]), torch.full((1, 5), 3), cache, mask=torch.eye(5, dtype=torch.bool))
+    cache.keep(3, torch.tensor([3]))          # keep token 13, at position 3
+    _, _, ref = run_full(model, prefix + [13])
+    assert cache.length == 4
+    assert torch.allclose(cache.k[:, :, :, :4], ref.k[:, :, :, :4], atol=1e-12)
+    assert torch.allclose(cache.v[:, :, :, :4], ref.v[:, :, :, :4], atol=1e-12)
+
+
+# ---------------------------------------------------------------- bad input
+
+def test_bad_checkpoints_give_clear_errors(tmp_path):
+    hf_checkpoint(tmp_path, num_key_value_heads=2)
+    files = {p.name: p for p in tmp_path.iterdir()}
+    with pytest.raises(LoadError, match="model folder not found"):
+        load_model(str(tmp_path / "nope"))
+    cfg = json.loads(files["config.json"].read_text())
+
+    def expect(message, mutate_config=None, mutate_weights=None):
+        d = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        c = dict(cfg)
+        if mutate_config:
+            mutate_config(c)
+        (d / "config.json").write_text(json.dumps(c))
+        data = files["model.safetensors"].read_bytes()
+        (d / "model.safetensors").write_bytes(mutate_weights(data) if mutate_weights else data)
+        with pytest.raises(LoadError, match=message):
+            load_model(str(d))
+
+    expect("lacks tensor model.layers.2", lambda c: c.update(num_hidden_layers=3))
+    expect("unexpected tensor model.layers.1", lambda c: c.update(num_hidden_layers=1))
+    expect("tensor model.embed_tokens.weight has shape", lambda c: c.update(vocab_size=98))
+    expect("unsupported rope_scaling type 'yarn'",
+           lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 2.0}))
+    expect("unsupported architecture", lambda c: c.update(architectures=["MistralForCausalLM"]))
+    expect("truncated or corrupt", mutate_weights=lambda b: b[:len(b) // 2])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LoadError, match="config.json not found"):
+        load_model(str(tmp_path / "empty"))
+
+
+def test_prompt_longer_than_context_is_a_clear_error():
+    model = tiny_model(max_positions=16)
+    with pytest.raises(ValueError, match="longer than the model's context of 16"):
+        generate_ar(model, list(range(1, 20)), GenConfig(max_new_tokens=4))
+
+
+def test_cli_reports_bad_model_path_without_traceback(capsys):
+    from spec import main
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "/nonexistent/folder", "--max-new-tokens", "2"])
+    assert e.value.code == 2
+    assert "error: model folder not found: /nonexistent/folder" in capsys.readouterr().err
+
+
+def test_interrupted_conversion_leaves_no_half_cache(tmp_path, monkeypatch):
+    import default_model
+
+    def fail(workdir):
+        open(os.path.join(workdir, "partial.gguf"), "wb").write(b"half")
+        raise RuntimeError("could not download (simulated)")
+    monkeypatch.setattr(default_model, "fetch_gguf", fail)
+    with pytest.raises(RuntimeError, match="simulated"):
+        default_model.default_model_path(str(tmp_path))
+    assert list(tmp_path.iterdir()) == [], "a failed conversion left files behind"
+
+
+# ---------------------------------------------------------------- tree data
+
+def random_tree(rng: random.Random, n: int) -> Tree:
+    parents = [-1] + [rng.randrange(i) for i in range(1, n)]
+    return make_tree([rng.randrange(50) for _ in range(n)], parents)
+
+
+def brute_force_ancestors(parents):
+    n = len(parents)
+    mask = [[False] * n for _ in range(n)]
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i][j] = True
+            j = parents[j]
+    return torch.tensor(mask)
+
+
+def test_tree_mask_positions_and_paths_equal_brute_force():
+    rng = random.Random(0)
+    for _ in range(200):
+        tree = random_tree(rng, rng.randrange(1, 30))
+        parents = tree.parents.tolist()
+        mask = ancestor_mask(tree.parents, tree.depths)
+        assert torch.equal(mask, brute_force_ancestors(parents))
+        depth = [sum(row) - 1 for row in brute_force_ancestors(parents).tolist()]
+        assert positions(tree.depths, 7).tolist() == [7 + d for d in depth]
+        retrieve = retrieve_indices(mask, tree.depths)
+        leaves = [i for i in range(len(parents)) if i not in parents]
+        paths = []
+        for leaf in leaves:
+            path, j = [], leaf
+            while j >= 0:
+                path.append(j)
+                j = parents[j]
+            paths.append(path[::-1] + [-1] * (retrieve.shape[1] - len(path)))
+        assert sorted(retrieve.tolist()) == sorted(paths)
+
+
+def test_static_tree_from_medusa_paths():
+    t = static_tree([[0], [0, 0], [1], [0, 1], [2, 0]])   # [2, 0] implies [2]
+    assert t.parents.tolist() == [-1, 0, 0, 0, 1, 1, 3]
+    assert t.ranks.tolist() == [0, 0, 1, 2, 0, 1, 0]
+    assert sorted(t.retrieve.tolist()) == [[0, 1, 4], [0, 1, 5], [0, 2, -1], [0, 3, 6]]
+
+
+def test_grow_tree_equals_brute_force_expansion_rule():
+    """EAGLE-2: the kept tree is the `total` best nodes of the round-by-round top-k expansion."""
+    V, rng = 7, np.random.default_rng(0)
+    table = {}
+
+    def logp(path):            # a fixed random draft distribution for every context
+        if path not in table:
+            table[path] = torch.log_softmax(torch.tensor(rng.normal(size=V) * 2), -1)
+        return table[path]
+
+    def path_of(tree, n):
+        out = []
+        while n > 0:
+            out.append(int(tree.tokens[n]))
+            n = int(tree.parents[n])
+        return tuple(out[::-1])
+
+    def expand(frontier, tree):
+        return torch.stack([logp(path_of(tree, int(n))) for n in frontier])
+
+    for depth, k, total in [(3, 2, 5), (4, 3, 10), (2, 4, 16), (5, 1, 5)]:
+        got, _ = grow_tree(expand, 0, depth, k, total)
+        # Brute force: layer by layer, plain Python lists.
+        layer, everything = [((), 0.0)], []
+        for _ in range(depth):
+            children = [(p + (t,), s + float(logp(p)[t])) for p, s in layer
+                        for t in torch.topk(logp(p), k).indices.tolist()]
+            everything += children
+            layer = sorted(children, key=lambda c: -c[1])[:k]
+        best = sorted(everything, key=lambda c: -c[1])[:total]
+        got_paths = sorted(path_of(got, n) for n in range(1, got.size))
+        assert got_paths == sorted(p for p, _ in best), (depth, k, total)
+        for n in range(1, got.size):   # the scores are the cumulative log-probabilities
+            assert abs(float(got.scores[n]) - dict(everything)[path_of(got, n)]) < 1e-5
+
+
+# ---------------------------------------------------------------- tree attention and the cache
+
+def test_tree_pass_logits_equal_each_path_run_alone():
+    model = tiny_model(1)
+    prefix = [5, 9, 2, 33]
+    tree = random_tree(random.Random(3), 12)
+    cache = model.new_cache(1, 64)
+    model(torch.tensor([prefix]), torch.arange(4)[None], cache)
+    mask = ancestor_mask(tree.parents, tree.depths)
+    logits, _ = model(tree.tokens[None], positions(tree.depths, 4)[None], cache, mask)
+    for n in range(tree.size):
+        path = mask[n].nonzero().squeeze(1).tolist()        # ancestors in index = depth order
+        ref, _, _ = run_full(model, prefix + tree.tokens[path].tolist())
+        assert torch.allclose(logits[0, n], ref[-1], atol=1e-10), f"node {n} differs"
+
+
+def test_compacted_cache_equals_plain_decoding_cache():
+    model = tiny_model(2)
+    prefix = [4, 8, 15, 16]
+    tree = make_tree([23, 42, 7, 3, 11, 19], [-1, 0, 0, 1, 3, 2])
+    cache = model.new_cache(1, 64)
+    model(torch.tensor([prefix]), torch.arange(4)[None], cache)
+    model(tree.tokens[None], positions(tree.depths, 4)[None], cache,
+          ancestor_mask(tree.parents, tree.depths))
+    accepted = torch.tensor([0, 1, 3, 4])                  # the path 23 -> 42 -> 3 -> 11
+    cache.keep(4, accepted)
+    plain = prefix + tree.tokens[accepted].tolist()
+    _, _, ref = run_full(model, plain)
+    n = len(plain)
+    assert cache.length == n
+    assert torch.allclose(cache.k[:, :, :, :n], ref.k[:, :, :, :n], atol=1e-12)
+    next_logits, _ = model(torch.tensor([[17]]), torch.tensor([[n]]), cache)
+    full, _, _ = run_full(model, plain + [17])
+    assert torch.allclose(next_logits[0, -1], full[-1], atol=1e-10)
+
+
+# ---------------------------------------------------------------- greedy losslessness
+
+class ShiftedProposer(DraftModelProposer):
+    """The target as its own draft, every drafted token shifted by one: always wrong."""
+
+    def propose(self, root, gen, generator):
+        tree, q = super().propose(root, gen, generator)
+        tokens = tree.tokens.clone()
+        tokens[1:] = (tokens[1:] + 1) % self.model.config.vocab_size
+        return Tree(tokens, tree.parents, tree.depths, tree.scores), q
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree", "perfect_chain", "perfect_tree", "wrong"])
+def test_greedy_speculative_equals_plain_greedy(kind):
+    gen = GenConfig(max_new_tokens=40)
+    for seed in range(4):
+        target = tiny_model(seed)
+        draft = {"perfect_chain": target, "perfect_tree": target, "wrong": target}.get(
+            kind, tiny_model(seed + 100, num_layers=1))
+        config = DraftConfig(depth=4, top_k=3, total=9) if "tree" in kind else DraftConfig(4)
+        proposer = (ShiftedProposer if kind == "wrong" else DraftModelProposer)(draft, config, 256)
+        for prompt in ([1, 2, 3], [7], [11, 5, 9, 30, 2, 8]):
+            plain = generate_ar(target, prompt, gen).token_ids
+            spec = generate_spec(target, proposer, prompt, gen)
+            assert spec.token_ids == plain, f"{kind}, seed {seed}, prompt {prompt}"
+            if kind == "perfect_chain":
+                assert min(spec.accepted[:-1]) == 4, "the target as its own draft must be accepted"
+            if kind == "perfect_tree":   # the root's best child is the target's argmax
+                assert min(spec.accepted[:-1]) >= 1, "the target's own top-1 must be accepted"
+            if kind == "wrong":
+                assert max(spec.accepted) == 0, "a shifted draft must never be accepted"
+
+
+def test_greedy_with_stop_token_stops_at_it():
+    target = tiny_model(5)
+    plain = generate_ar(target, [1, 2], GenConfig(max_new_tokens=30)).token_ids
+    stop = plain[7]
+    expect = plain[:plain.index(stop) + 1]
+    spec = generate_spec(target, DraftModelProposer(target, DraftConfig(5), 256), [1, 2],
+                         GenConfig(max_new_tokens=30), stop_ids=(stop,))
+    assert spec.token_ids == expect
+
+
+# ---------------------------------------------------------------- sampling losslessness
+
+def chi_square_p(counts: np.ndarray, expected_probs: np.ndarray) -> float:
+    """Goodness of fit; cells with expected count < 5 are merged into one."""
+    from scipy.stats import chisquare
+    expected = expected_probs.ravel() * counts.sum()
+    counts = counts.ravel()
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    assert obs.sum() == counts.sum(), "probability was emitted where the target has none"
+    return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+def table(rng, V, depth, support=None, peaky=1.5):
+    """Fixed distributions for every context up to `depth` tokens: array (V,) * depth + (V,)."""
+    logits = rng.normal(size=(V,) * depth + (V,)) * peaky
+    if support is not None:
+        logits[..., [t for t in range(V) if t not in support]] = -np.inf
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    return torch.tensor(p / p.sum(-1, keepdims=True))
+
+
+def target_joint(P0, P1) -> np.ndarray:
+    """Exact law of the first two tokens: p(t1) p(t2 | t1)."""
+    return (P0[:, None] * P1).numpy()
+
+
+TRIALS = 100_000
+ALPHA = 1e-3
+
+
+def run_chain(P, Q, gen, residual_fn=kernels.residual):
+    """Leviathan verification of 1e5 sampled K=2 chains; returns counts of (t1, t2)."""
+    V = P[0].shape[0]
+    x1 = sample(Q[0].expand(TRIALS, V), gen)                            # (trials,)
+    x2 = sample(Q[1][x1], gen)
+    draft = torch.stack([x1, x2], 1)                                    # (trials, 2)
+    p = torch.stack([P[0].expand(TRIALS, V), P[1][x1], P[2][x1, x2]], 1)   # (trials, 3, V)
+    q = torch.stack([Q[0].expand(TRIALS, V), Q[1][x1]], 1)             # (trials, 2, V)
+    n, bonus = accept_chain_sampled(draft, p, q, gen, residual_fn)
+    t1 = torch.where(n >= 1, x1, bonus)
+    # After one token only, the next step's first token follows p(. | t1) (tested marginally).
+    t2 = torch.where(n >= 2, x2, torch.where(n == 1, bonus, sample(P[1][t1], gen)))
+    return np.bincount((t1 * V + t2).numpy(), minlength=V * V).reshape(V, V)
+
+
+def chain_configs():
+    rng = np.random.default_rng(0)
+    V = 8
+    P = [table(rng, V, d) for d in range(3)]
+    yield "generic", P, [table(rng, V, d) for d in range(2)]
+    yield "p_equals_q", P, P[:2]
+    Pd = [table(rng, V, d, support={0, 1, 2, 3}) for d in range(3)]
+    yield "disjoint_supports", Pd, [table(rng, V, d, support={4, 5, 6, 7}) for d in range(2)]
+    yield "one_hot_q", P, [table(rng, V, d, support={3}) for d in range(2)]
+    yield "q_zero_where_p_positive", P, [table(rng, V, d, support={0, 5}) for d in range(2)]
+
+
+@pytest.mark.parametrize("name,P,Q", list(chain_configs()), ids=lambda x: x if isinstance(x, str) else "")
+def test_sampled_chain_verification_keeps_target_distribution(name, P, Q):
+    gen = torch.Generator().manual_seed(42)
+    counts = run_chain(P, Q, gen)
+    p_value = chi_square_p(counts, target_joint(P[0], P[1]))
+    assert p_value > ALPHA / 10, f"{name}: chi-square p = {p_value:.2e} (Bonferroni over 10)"
+
+
+def test_sampled_chain_negative_control_is_rejected():
+    """A wrong residual (sampling p instead of norm(max(p - q, 0))) must fail the same test."""
+    _, P, Q = next(chain_configs())
+    counts = run_chain(P, Q, torch.Generator().manual_seed(42), residual_fn=lambda p, q: p)
+    assert chi_square_p(counts, target_joint(P[0], P[1])) < 1e-6
+
+
+def run_tree(P, children, gen, choice_probs=None):
+    """Verify 1e5 times a fixed depth-2 tree; children[t] are t's drafted children."""
+    V = P[0].shape[0]
+    tokens, parents = [0], [-1]
+    for t in children[None]:
+        tokens.append(t)
+        parents.append(0)
+        me = len(tokens) - 1
+        for u in children.get(t, []):
+            tokens.append(u)
+            parents.append(me)
+    tree = make_tree(tokens, parents)
+    # p at each node: the root's context is empty, depth-1 nodes (t), depth-2 nodes (t, u).
+    rows = [P[0]] + [P[1][tokens[n]] if parents[n] == 0 else P[2][tokens[parents[n]], tokens[n]]
+                     for n in range(1, len(tokens))]
+    probs = torch.stack(rows)                                           # (N, V)
+    choice = sample((choice_probs or (lambda p: p))(probs).expand(TRIALS, *probs.shape), gen)
+    path, n, bonus = accept_tree(tree.tokens, retrieve_indices(
+        ancestor_mask(tree.parents, tree.depths), tree.depths), choice)
+    t1 = torch.where(n >= 1, tree.tokens[path[:, 1].clamp(min=0)], bonus)
+    t2 = torch.where(n >= 2, tree.tokens[path[:, 2].clamp(min=0)],
+                     torch.where(n == 1, bonus, sample(P[1][t1], gen)))
+    return np.bincount((t1 * V + t2).numpy(), minlength=V * V).reshape(V, V)
+
+
+def tree_configs():
+    rng = np.random.default_rng(1)
+    V = 8
+    P = [table(rng, V, d) for d in range(3)]
+    top = lambda p, k: torch.topk(p, k).indices.tolist()          # noqa: E731
+    yield "top_k_children", P, {None: top(P[0], 3), **{t: top(P[1][t], 2) for t in top(P[0], 3)}}
+    yield "unlikely_children", P, {None: [7, 6], 7: [0, 1], 6: [5]}
+    Ps = [table(rng, V, d, support={0, 1, 2}) for d in range(3)]
+    yield "children_outside_support", Ps, {None: [5, 0, 6], 0: [7, 1, 2], 5: [1]}
+
+
+@pytest.mark.parametrize("name,P,children", list(tree_configs()),
+                         ids=lambda x: x if isinstance(x, str) else "")
+def test_tree_sampling_verification_keeps_target_distribution(name, P, children):
+    counts = run_tree(P, children, torch.Generator().manual_seed(7))
+    p_value = chi_square_p(counts, target_joint(P[0], P[1]))
+    assert p_value > ALPHA / 10, f"{name}: chi-square p = {p_value:.2e} (Bonferroni over 10)"
+
+
+def test_tree_sampling_negative_control_is_rejected():
+    """Walking the tree with a sharpened p (p^2, renormalized) must fail the same test."""
+    _, P, children = next(tree_configs())
+    sharpen = lambda p: p * p / (p * p).sum(-1, keepdim=True)     # noqa: E731
+    counts = run_tree(P, children, torch.Generator().manual_seed(7), sharpen)
+    assert chi_square_p(counts, target_joint(P[0], P[1])) < 1e-6
+
+
+def test_sampled_generation_runs_and_is_seeded():
+    target, draft = tiny_model(3), tiny_model(4, num_layers=1)
+    gen = GenConfig(max_new_tokens=30, temperature=0.8, top_p=0.9, seed=5)
+    for config in (DraftConfig(4), DraftConfig(3, top_k=2, total=6)):
+        a = generate_spec(target, DraftModelProposer(draft, config, 256), [1, 2], gen).token_ids
+        b = generate_spec(target, DraftModelProposer(draft, config, 256), [1, 2], gen).token_ids
+        assert a == b and len(a) == 30
+
+
+# ---------------------------------------------------------------- tokenizer
+
+CORPUS = [
+    "Hello, world!", "What is the capital of France?", "  leading and trailing spaces  ",
+    "numbers 12345 and 3.14159, 1,000,000 and 2026-11-30", "x = [i**2 for i in range(10)]\n",
+    "def f(a, b):\n    return a + b\n\n\n", "tabs\tand\r\nwindows newlines", "émigré naïve café",
+    "日本語のテキスト", "emoji 😀👍🏽 and symbols ∑∫√", "it's we'll they're I'd you've", "A  B   C",
+    "special <|im_start|>user\nhi<|im_end|> in text", "<|endoftext|>", "mixed123abc456",
+    "   \n\n   \t", "ÀÉÎõü ß Œ", "http://example.com/path?q=1&r=2", "'quoted' \"double\"",
+    "控制字符\x04\x06\x13 and \xff\xfe bytes", "", " ", "1 2 3  4   5", "a\u00a0b\u2009c",
+]
+
+
+def hf_tokenizer(path):
+    from tokenizers import Tokenizer as HFTokenizer
+    return HFTokenizer.from_file(os.path.join(path, "tokenizer.json"))
+
+
+@pytest.mark.slow
+def test_token_ids_equal_hf_tokenizers(default_path):
+    from tokenizer import load_tokenizer
+    ours, ref = load_tokenizer(default_path), hf_tokenizer(default_path)
+    rng = random.Random(0)
+    corpus = list(CORPUS)
+    for _ in range(300):      # random mixtures of pieces, including the bytes with no token
+        corpus.append("".join(rng.choice(CORPUS + ["\x1d", "\xc0", "9", " ", "  "])
+                              for _ in range(rng.randrange(1, 6))))
+    for s in corpus:
+        assert ours.encode(s) == ref.encode(s, add_special_tokens=False).ids, repr(s)
+    for s in CORPUS:
+        if not any(c in s for c in "\x04\x06\x13\xff\xfe"):
+            assert ours.decode(ours.encode(s)) == s, repr(s)
+
+
+@pytest.mark.slow
+def test_chat_prompt_matches_checkpoint_template(default_path):
+    from tokenizer import load_tokenizer
+    tok = load_tokenizer(default_path)
+    text = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+            "Face<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.chat_prompt("Hi there") == hf_tokenizer(default_path).encode(text).ids
+    assert tok.stop_ids == (2, 0)
+
+
+def test_tokenizer_refuses_ranks_out_of_merge_order(tmp_path):
+    from tokenizer import TokenizerError, load_tokenizer
+    vocab = {chr(c): i for i, c in enumerate(range(ord("a"), ord("e")))}
+    vocab |= {"ab": 10, "cd": 9}                      # merge 0 (a b) gets a higher id than merge 1
+    data = {"added_tokens": [], "pre_tokenizer": {"type": "ByteLevel", "use_regex": True},
+            "model": {"type": "BPE", "vocab": vocab, "merges": ["a b", "c d"]}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(TokenizerError, match="merge 1 .* does not follow id order"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_mismatched_draft_tokenizer_is_a_clear_error(tmp_path, capsys):
+    from spec import main
+    for name, vocab in [("target", {"a": 0, "b": 1, "ab": 2}), ("draft", {"a": 0, "b": 1, "ba": 2})]:
+        d = tmp_path / name
+        hf_checkpoint(d, num_key_value_heads=2)
+        merges = ["a b"] if name == "target" else ["b a"]
+        (d / "tokenizer.json").write_text(json.dumps({
+            "added_tokens": [{"id": 3, "content": "<|endoftext|>", "special": True}],
+            "pre_tokenizer": {"type": "ByteLevel", "use_regex": True},
+            "model": {"type": "BPE", "vocab": vocab, "merges": merges}}))
+    with pytest.raises(SystemExit):
+        main(["--model", str(tmp_path / "target"), "--method", "draft", "--draft",
+              str(tmp_path / "draft"), "--raw", "--prompt", "ab", "--max-new-tokens", "2"])
+    assert "draft and target tokenizers differ: token ranks (BPE merges) differ" in \
+        capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the default model
+
+@pytest.fixture(scope="session")
+def default_path():
+    from default_model import default_model_path
+    return default_model_path()
+
+
+TEXT = ("Paris is the capital and most populous city of France. With an estimated population of "
+        "over two million residents, it is the centre of the Paris Region. The city is a major "
+        "railway, highway and air-transport hub served by two international airports. Paris is "
+        "known for its museums and architectural landmarks: the Louvre was the most visited art "
+        "museum in the world, and the Eiffel Tower, built for the 1889 World's Fair, is one of "
+        "the most recognisable structures on Earth. The Seine river flows through the city, "
+        "dividing it into the Left Bank and the Right Bank. The history of Paris goes back more "
+        "than two thousand years, to a settlement of a Celtic people called the Parisii.")
+
+
+@torch.no_grad()
+def perplexity(model, ids) -> float:
+    logits, _, _ = run_full(model, ids)
+    return float(torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:])).exp())
+
+
+@pytest.mark.slow
+def test_default_model_logits_equal_transformers(default_path):
+    ours = load_model(default_path, torch.float32)
+    hf = transformers.LlamaForCausalLM.from_pretrained(default_path, dtype=torch.float32).eval()
+    ids = list(range(100, 160))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    got, _, _ = run_full(ours, ids)
+    assert torch.allclose(got, ref, atol=2e-3), f"max diff {(got - ref).abs().max()}"
+
+
+@pytest.mark.slow
+def test_conversion_unpermutes_q_and_k(default_path):
+    """llama.cpp permutes Q/K rows; undone, perplexity is low; left permuted, it is high."""
+    from default_model import unpermute
+    from tokenizer import load_tokenizer
+    ids = load_tokenizer(default_path).encode(TEXT)
+    model = load_model(default_path, torch.float32)
+    good = perplexity(model, ids)
+    c = model.config
+    with torch.no_grad():
+        for layer in model.layers:
+            w = layer.attn.wqkv.weight
+            q, k = w[:c.num_heads * c.head_dim], w[c.num_heads * c.head_dim:][:c.num_kv_heads * c.head_dim]
+            for part, heads in ((q, c.num_heads), (k, c.num_kv_heads)):
+                rows, cols = part.shape   # llama.cpp's forward permutation, the inverse of ours
+                permuted = part.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2)
+                assert np.array_equal(unpermute(permuted.reshape(rows, cols).numpy(), heads),
+                                      part.numpy())
+                part.copy_(permuted.reshape(rows, cols))
+    bad = perplexity(model, ids)
+    assert good < 15 and bad > 5 * good, f"perplexity unpermuted {good:.1f}, permuted {bad:.1f}"
+
+
+@pytest.mark.slow
+def test_default_model_answers_capital_of_france(default_path):
+    from tokenizer import load_tokenizer
+    tok = load_tokenizer(default_path)
+    model = load_model(default_path, torch.bfloat16)
+    out = generate_ar(model, tok.chat_prompt("What is the capital of France?"),
+                      GenConfig(max_new_tokens=20), tok.stop_ids)
+    assert "Paris" in tok.decode(out.token_ids)
+
+
+@pytest.mark.slow
+def test_draft_method_on_default_model_equals_plain_greedy_in_float32(default_path):
+    from tokenizer import load_tokenizer
+    tok = load_tokenizer(default_path)
+    model = load_model(default_path, torch.float32)
+    gen = GenConfig(max_new_tokens=48)
+    for prompt, config in [("Write a haiku about the sea.", DraftConfig(4)),
+                           ("List three prime numbers.", DraftConfig(3, top_k=3, total=8))]:
+        ids = tok.chat_prompt(prompt)
+        plain = generate_ar(model, ids, gen, tok.stop_ids).token_ids
+        proposer = DraftModelProposer(truncated_draft(model, 8), config, 512)
+        assert generate_spec(model, proposer, ids, gen, tok.stop_ids).token_ids == plain, prompt

@@ -1,0 +1,208 @@
+"""A tiktoken tokenizer built from a Hugging Face checkpoint, plus chat formatting.
+
+Byte-level BPE (GPT-2 style, as SmolLM2 and Llama 3 use) is the same algorithm tiktoken runs when
+each token's rank is its id and ids grow in merge order: tiktoken merges the adjacent pair whose
+concatenation has the lowest rank, HF merges the pair with the lowest merge index. We check that
+order on load and refuse a file where it does not hold.
+"""
+import base64
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+
+import tiktoken
+
+# HF's ByteLevel pre-tokenizer regex (GPT-2's).
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# Digits(individual_digits) then ByteLevel, as one regex: each digit alone, and a run of spaces
+# before a digit stays whole because the digit was split off before ByteLevel saw it.
+DIGITS_GPT2_PATTERN = (r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+"""
+                       r"""|\s+(?![^\s\p{N}])|\s+""")
+LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
+                  r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+LLAMA3_SPECIALS = (["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+                    "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
+                    "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>",
+                    "<|python_tag|>"] + [f"<|reserved_special_token_{i}|>" for i in range(2, 247)])
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file this project cannot reproduce exactly."""
+
+
+def gpt2_byte_decoder() -> dict:
+    """GPT-2's table from the printable unicode stand-ins back to raw bytes."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars, n = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def pattern_from_pre_tokenizer(pre: dict | None) -> str:
+    """The single regex equivalent to a HF pre_tokenizer, for the forms byte-level BPE uses."""
+    steps = pre.get("pretokenizers", []) if pre and pre.get("type") == "Sequence" else [pre]
+    kinds = [s.get("type") if s else None for s in steps]
+    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
+        return GPT2_PATTERN
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") \
+            and steps[1].get("use_regex", True):
+        return DIGITS_GPT2_PATTERN
+    if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True):
+        return steps[0]["pattern"]["Regex"]
+    raise TokenizerError(f"unsupported pre_tokenizer {kinds}: expected ByteLevel, "
+                         "Digits+ByteLevel or Split+ByteLevel")
+
+
+@dataclass
+class Tokenizer:
+    encoding: tiktoken.Encoding
+    vocab_size: int                      # ids >= this are placeholders for bytes with no token
+    chat_format: str                     # "chatml", "llama3" or "none"
+    stop_ids: tuple                      # generation ends at any of these
+    bos_id: int | None = None            # prepended to every prompt when set (Llama 3)
+    default_system: str | None = None    # system message the checkpoint's template inserts
+    merges_digest: str = field(default="", repr=False)   # compared between draft and target
+
+    def encode(self, text: str) -> list:
+        """Token ids of text; special-token strings in it become special tokens (as HF does)."""
+        ids = self.encoding.encode(text, allowed_special="all")
+        # Bytes with no token of their own were given placeholder ranks: drop them, as HF does.
+        return [i for i in ids if i < self.vocab_size]
+
+    def decode_bytes(self, ids) -> bytes:
+        return self.encoding.decode_bytes(ids)
+
+    def decode(self, ids) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def special(self, name: str) -> int:
+        return self.encoding.encode_single_token(name)
+
+    def chat_prompt(self, user: str, system: str | None = None) -> list:
+        """Token ids of a one-turn chat, ending where the assistant starts to answer."""
+        return self.chat_ids([("user", user)], system)
+
+    def chat_ids(self, turns: list, system: str | None = None) -> list:
+        """turns [(role, text)] -> ids, ending with the assistant's header."""
+        system = system if system is not None else self.default_system
+        if system is not None:
+            turns = [("system", system)] + list(turns)
+        if self.chat_format == "chatml":
+            text = "".join(f"<|im_start|>{r}\n{t}<|im_end|>\n" for r, t in turns)
+            text += "<|im_start|>assistant\n"
+        elif self.chat_format == "llama3":
+            text = "".join(f"<|start_header_id|>{r}<|end_header_id|>\n\n{t}<|eot_id|>"
+                           for r, t in turns)
+            text += "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        else:
+            raise TokenizerError("this checkpoint has no chat format: use --raw")
+        return self.raw_ids(text)
+
+    def raw_ids(self, text: str) -> list:
+        return ([self.bos_id] if self.bos_id is not None else []) + self.encode(text)
+
+    def same_as(self, other: "Tokenizer") -> str | None:
+        """None if both tokenize identically, else what differs (for draft/target checks)."""
+        a, b = self.encoding, other.encoding
+        if self.vocab_size != other.vocab_size:
+            return f"vocabulary sizes differ ({self.vocab_size} vs {other.vocab_size})"
+        if a._special_tokens != b._special_tokens:
+            return "special tokens differ"
+        if a._pat_str != b._pat_str:
+            return "pre-tokenizer patterns differ"
+        if self.merges_digest != other.merges_digest:
+            return "token ranks (BPE merges) differ"
+        return None
+
+
+def build(ranks: dict, specials: dict, pattern: str, name: str) -> tuple:
+    """Give bytes with no token placeholder ranks (tiktoken panics on them) and build."""
+    vocab_size = max(list(ranks.values()) + list(specials.values())) + 1
+    extra = vocab_size
+    for b in range(256):
+        if bytes([b]) not in ranks:
+            ranks[bytes([b])] = extra
+            extra += 1
+    enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
+    digest = hashlib.sha256(b"".join(k + v.to_bytes(4, "little")
+                                     for k, v in sorted(ranks.items()))).hexdigest()
+    return enc, vocab_size, digest
+
+
+def ranks_from_hf(model: dict, specials: dict) -> dict:
+    """token bytes -> rank (= id) from a HF BPE model, checked against its merge order."""
+    if model.get("type") != "BPE":
+        raise TokenizerError(f"tokenizer model type {model.get('type')!r} is not BPE")
+    table = gpt2_byte_decoder()
+    ranks = {}
+    for token, i in model["vocab"].items():
+        if token in specials:
+            continue
+        try:
+            ranks[bytes(table[ch] for ch in token)] = i
+        except KeyError:
+            raise TokenizerError(f"token {token!r} (id {i}) is not byte-level BPE") from None
+    vocab, last = model["vocab"], -1
+    for n, m in enumerate(model["merges"]):
+        a, b = m.split(" ", 1) if isinstance(m, str) else m
+        rank = vocab.get(a + b)
+        if rank is None or rank <= max(vocab[a], vocab[b]) or rank <= last:
+            raise TokenizerError(f"merge {n} ({a!r} + {b!r}) does not follow id order: ranks "
+                                 "must grow with merge order for tiktoken to match this file")
+        last = rank
+    return ranks
+
+
+def load_tokenizer(folder: str) -> Tokenizer:
+    """From tokenizer.json (byte-level BPE), else Llama 3's original/tokenizer.model."""
+    hf_path = os.path.join(folder, "tokenizer.json")
+    meta_path = os.path.join(folder, "original", "tokenizer.model")
+    config = {}
+    if os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+        with open(os.path.join(folder, "tokenizer_config.json")) as f:
+            config = json.load(f)
+    if os.path.isfile(hf_path):
+        with open(hf_path) as f:
+            data = json.load(f)
+        specials = {t["content"]: t["id"] for t in data.get("added_tokens", [])}
+        ranks = ranks_from_hf(data["model"], specials)
+        pattern = pattern_from_pre_tokenizer(data.get("pre_tokenizer"))
+    elif os.path.isfile(meta_path):
+        ranks = {}
+        with open(meta_path) as f:
+            for line in f:
+                if line.strip():
+                    token, rank = line.split()
+                    ranks[base64.b64decode(token)] = int(rank)
+        specials = {name: len(ranks) + i for i, name in enumerate(LLAMA3_SPECIALS)}
+        pattern = LLAMA3_PATTERN
+    else:
+        raise TokenizerError(f"no tokenizer.json or original/tokenizer.model in {folder}")
+    enc, vocab_size, digest = build(ranks, specials, pattern, os.path.basename(folder))
+    return with_chat_format(enc, vocab_size, specials, config, digest)
+
+
+def with_chat_format(enc, vocab_size, specials, config, digest) -> Tokenizer:
+    """Pick the chat format from the special tokens the checkpoint has."""
+    template = config.get("chat_template") or ""
+    if "<|im_start|>" in specials:
+        # SmolLM2's template inserts its own system message when none is given: keep that.
+        m = re.search(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", template)
+        stops = [specials[t] for t in ("<|im_end|>", "<|endoftext|>") if t in specials]
+        return Tokenizer(enc, vocab_size, "chatml", tuple(stops), None,
+                         m.group(1) if m else None, digest)
+    if "<|start_header_id|>" in specials:
+        stops = [specials[t] for t in ("<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")
+                 if t in specials]
+        return Tokenizer(enc, vocab_size, "llama3", tuple(stops),
+                         specials.get("<|begin_of_text|>"), None, digest)
+    eos = config.get("eos_token")
+    stops = [specials[eos]] if isinstance(eos, str) and eos in specials else []
+    return Tokenizer(enc, vocab_size, "none", tuple(stops), None, None, digest)

@@ -1,0 +1,144 @@
+"""Draft trees as plain data, and the small pure functions that derive masks and paths from them.
+
+Dimensions: N tree nodes (node 0 is the root), L leaves, M max depth + 1.
+
+The root is the last token the target produced: it is not in the KV cache yet, so the verify pass
+feeds it together with the drafted nodes. A node's children are candidates for the token after it.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Tree:
+    tokens: torch.Tensor    # (N,) long, token of each node; node 0 is the root
+    parents: torch.Tensor   # (N,) long, parent index (< own index), -1 for the root
+    depths: torch.Tensor    # (N,) long, 0 for the root
+    scores: torch.Tensor    # (N,) float, the draft's cumulative log-probability (0 at the root)
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+
+def make_tree(tokens, parents, scores=None) -> Tree:
+    """A tree from tokens and parent indices (parents before children); depths are derived."""
+    tokens = torch.as_tensor(tokens, dtype=torch.long)
+    parents = torch.as_tensor(parents, dtype=torch.long, device=tokens.device)
+    depths = torch.zeros_like(parents)
+    for n in range(1, parents.shape[0]):          # once per tree build, not per decoding step
+        depths[n] = depths[parents[n]] + 1
+    if scores is None:
+        scores = torch.zeros(tokens.shape[0], device=tokens.device)
+    return Tree(tokens, parents, depths, scores)
+
+
+def chain(root: int, tokens) -> Tree:
+    """The tree of a chain draft: root -> tokens[0] -> tokens[1] -> ..."""
+    tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+    n = tokens.shape[0]
+    all_tokens = torch.cat([torch.tensor([root], device=tokens.device), tokens])
+    parents = torch.arange(-1, n, device=tokens.device)
+    depths = torch.arange(0, n + 1, device=tokens.device)
+    return Tree(all_tokens, parents, depths, torch.zeros(n + 1, device=tokens.device))
+
+
+def ancestor_mask(parents: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+    """(N,) parents -> (N, N) bool: row n is True at n and at each ancestor of n.
+
+    One vectorized step per depth level, walking every node's ancestor chain at once."""
+    N = parents.shape[0]
+    mask = torch.eye(N, dtype=torch.bool, device=parents.device)
+    rows = torch.arange(N, device=parents.device)
+    anc = parents.clone()
+    for _ in range(int(depths.max()) if N > 1 else 0):
+        has = anc >= 0
+        mask[rows[has], anc[has]] = True
+        anc = torch.where(has, parents[anc.clamp(min=0)], anc)
+    return mask
+
+
+def positions(depths: torch.Tensor, start: int) -> torch.Tensor:
+    """Absolute positions of the nodes: a node sits `depth` places after the root at `start`."""
+    return depths + start
+
+
+def retrieve_indices(mask: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+    """(L, M) long: each root-to-leaf path as node indices by depth, padded with -1."""
+    is_leaf = mask.sum(0) == 1                      # a leaf is nobody's ancestor but its own
+    leaves = is_leaf.nonzero().squeeze(1)
+    M = int(depths.max()) + 1
+    out = torch.full((leaves.shape[0], M), -1, dtype=torch.long, device=mask.device)
+    leaf_row, node = mask[leaves].nonzero(as_tuple=True)   # node is on the path to leaves[leaf_row]
+    out[leaf_row, depths[node]] = node
+    return out
+
+
+@dataclass
+class StaticTree:
+    """A tree shape without tokens, from a Medusa-style path list.
+
+    Each node is reached by the child rank it takes at each depth: [[0], [0, 0], [1]] is the root's
+    best child, that child's best child, and the root's second child."""
+    parents: torch.Tensor   # (N,) long
+    depths: torch.Tensor    # (N,) long
+    ranks: torch.Tensor     # (N,) long, the node's rank among its parent's candidates (0 = root)
+    mask: torch.Tensor      # (N, N) bool ancestor mask
+    retrieve: torch.Tensor  # (L, M) root-to-leaf node indices
+
+
+def static_tree(paths: list) -> StaticTree:
+    """Build a static tree from a path list; missing prefixes of a path are added."""
+    nodes = {()}
+    for p in paths:
+        for i in range(1, len(p) + 1):
+            nodes.add(tuple(p[:i]))
+    order = sorted(nodes, key=lambda p: (len(p), p))   # parents before children
+    index = {p: i for i, p in enumerate(order)}
+    parents = torch.tensor([index[p[:-1]] if p else -1 for p in order])
+    depths = torch.tensor([len(p) for p in order])
+    ranks = torch.tensor([p[-1] if p else 0 for p in order])
+    mask = ancestor_mask(parents, depths)
+    return StaticTree(parents, depths, ranks, mask, retrieve_indices(mask, depths))
+
+
+def chain_paths(k: int) -> list:
+    """The path list of a chain of k drafted tokens."""
+    return [[0] * i for i in range(1, k + 1)]
+
+
+def grow_tree(expand, root: int, depth: int, top_k: int, total: int) -> tuple:
+    """EAGLE-2's dynamic draft tree (Li et al. 2024, arXiv 2406.16858, Sec. 4).
+
+    For `depth` rounds, expand the `top_k` nodes of the newest layer with the highest cumulative
+    log-probability, each by its `top_k` most likely children (one batched `expand` per round);
+    then keep the `total` best nodes of everything drafted. A child never scores above its parent,
+    and a stable sort puts the parent first on a tie, so the kept nodes form a connected subtree.
+
+    expand(frontier (F,) node indices, tree so far) -> (F, V) log-probabilities of their children.
+    Returns the kept Tree (parents before children) and kept (N,) indices into the grown tree."""
+    tree = Tree(torch.tensor([root]), torch.tensor([-1]), torch.tensor([0]), torch.zeros(1))
+    frontier = torch.tensor([0])
+    for _ in range(depth):
+        logp = expand(frontier, tree)                                  # (F, V)
+        top_logp, top_tok = logp.float().topk(top_k, dim=-1)           # (F, k)
+        cand = (tree.scores[frontier, None] + top_logp.cpu()).flatten()   # (F * k,)
+        first = tree.size
+        tree = Tree(torch.cat([tree.tokens, top_tok.flatten().cpu()]),
+                    torch.cat([tree.parents, frontier.repeat_interleave(top_k)]),
+                    torch.cat([tree.depths, tree.depths[frontier].repeat_interleave(top_k) + 1]),
+                    torch.cat([tree.scores, cand]))
+        frontier = first + cand.topk(min(top_k, cand.numel())).indices.sort().values
+    order = torch.sort(tree.scores[1:], descending=True, stable=True).indices[:total] + 1
+    kept = torch.cat([torch.tensor([0]), order.sort().values])       # (N,) parents first
+    return subtree(tree, kept), kept
+
+
+def subtree(tree: Tree, kept: torch.Tensor) -> Tree:
+    """The nodes `kept` (sorted, closed under parents) of a tree, re-indexed."""
+    new_index = torch.full((tree.size,), -1, dtype=torch.long)
+    new_index[kept] = torch.arange(kept.shape[0])
+    parents = tree.parents[kept]
+    parents = torch.where(parents >= 0, new_index[parents.clamp(min=0)], parents)
+    return Tree(tree.tokens[kept], parents, tree.depths[kept], tree.scores[kept])
