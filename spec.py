@@ -234,6 +234,12 @@ def parse_args(argv=None):
                    help="children per expanded draft node; 1 drafts a chain, more a tree")
     p.add_argument("--tree-size", type=int, default=0,
                    help="draft nodes kept per step (0: depth x top-k)")
+    p.add_argument("--compare-hf", action="store_true",
+                   help="time our plain decoding against transformers' generate on the same "
+                        "model, dtype and prompts, in one run, and print the ratio")
+    p.add_argument("--prompts", help="JSONL prompts for --compare-hf: {prompt} or {turns: [...]} "
+                                     "(first turn used); default: a few built-in prompts")
+    p.add_argument("--limit", type=int, default=10, help="prompts used from --prompts")
     p.add_argument("--show-drafts", action="store_true",
                    help="mark tokens that came from accepted drafts while streaming")
     args = p.parse_args(argv)
@@ -270,9 +276,70 @@ def run(args) -> dict:
     return report
 
 
+BUILTIN_PROMPTS = ["What is the capital of France?", "Write a short story about a robot.",
+                   "Explain how a bicycle works.", "Give me three tips for learning to code.",
+                   "What is 17 times 23? Explain step by step."]
+
+
+def read_prompts(path: str | None, limit: int) -> list:
+    """User prompts from JSONL ({prompt} or {turns}); a bad line names its number."""
+    if path is None:
+        return BUILTIN_PROMPTS[:limit]
+    prompts = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                prompts.append(row["prompt"] if "prompt" in row else row["turns"][0])
+            except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
+                raise ValueError(f"{path}:{number}: not a JSON object with 'prompt' or "
+                                 f"'turns' ({e})") from None
+            if len(prompts) == limit:
+                break
+    return prompts
+
+
+def compare_hf(args) -> dict:
+    """Our plain decoding vs transformers' greedy generate: same model, dtype and prompts."""
+    import statistics
+    import transformers
+    path, ours, tokenizer = load_target(args)
+    theirs = transformers.LlamaForCausalLM.from_pretrained(
+        path, dtype=getattr(torch, args.dtype)).to(args.device).eval()
+    gen = GenConfig(args.max_new_tokens)
+    rows = []
+    for i, prompt in enumerate([BUILTIN_PROMPTS[0]] + read_prompts(args.prompts, args.limit)):
+        ids = tokenizer.chat_prompt(prompt)
+        a = generate_ar(ours, ids, gen, tokenizer.stop_ids)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = theirs.generate(torch.tensor([ids], device=args.device), do_sample=False,
+                                  max_new_tokens=len(a.token_ids), min_new_tokens=len(a.token_ids),
+                                  pad_token_id=tokenizer.stop_ids[0])
+        seconds = time.perf_counter() - t0
+        if i == 0:
+            continue                      # the first prompt warms both up
+        rows.append({"ours_tps": len(a.token_ids) / a.seconds,
+                     "hf_tps": len(a.token_ids) / seconds,
+                     "identical": out[0, len(ids):].tolist() == a.token_ids})
+        print(f"prompt {i}: ours {rows[-1]['ours_tps']:.1f} tok/s, transformers "
+              f"{rows[-1]['hf_tps']:.1f} tok/s", file=sys.stderr)
+    ratios = [r["ours_tps"] / r["hf_tps"] for r in rows]
+    return {"prompts": len(rows), "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+            "ours_tokens_per_s_median": round(statistics.median(r["ours_tps"] for r in rows), 2),
+            "hf_tokens_per_s_median": round(statistics.median(r["hf_tps"] for r in rows), 2),
+            "speedup_median": round(statistics.median(ratios), 3),
+            "identical_outputs": sum(r["identical"] for r in rows)}
+
+
 def main(argv=None):
     args = parse_args(argv)
     try:
+        if args.compare_hf:
+            print(json.dumps(compare_hf(args)))
+            return
         report = run(args)
     except (ValueError, OSError, RuntimeError) as e:
         if isinstance(e, RuntimeError) and "could not download" not in str(e):
