@@ -626,3 +626,25 @@ def test_draft_method_on_default_model_equals_plain_greedy_in_float32(default_pa
         plain = generate_ar(model, ids, gen, tok.stop_ids).token_ids
         proposer = DraftModelProposer(truncated_draft(model, 8), config, 512)
         assert generate_spec(model, proposer, ids, gen, tok.stop_ids).token_ids == plain, prompt
+
+
+def test_llama3_tokenizer_model_and_chat_format(tmp_path):
+    """Llama 3's original/tokenizer.model: base64 token and rank per line, then 256 specials."""
+    import base64
+    ranks = {bytes([b]): b for b in range(256)}
+    for word in [b"he", b"ll", b"hell", b"hello", b" w", b"or", b" wor", b" world"]:
+        ranks[word] = len(ranks)
+    (tmp_path / "original").mkdir()
+    (tmp_path / "original" / "tokenizer.model").write_text(
+        "".join(f"{base64.b64encode(k).decode()} {v}\n" for k, v in ranks.items()))
+    from tokenizer import load_tokenizer
+    tok = load_tokenizer(str(tmp_path))
+    n = len(ranks)
+    assert tok.chat_format == "llama3" and tok.bos_id == n
+    assert tok.stop_ids == (n + 9, n + 1, n + 8)          # eot, end_of_text, eom
+    assert tok.encode("hello world") == [ranks[b"hello"], ranks[b" world"]]
+    ids = tok.chat_prompt("hello", system="hi")
+    assert tok.decode(ids) == ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nhi"
+                               "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nhello"
+                               "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert ids[:2] == [n, n + 6]                           # begin_of_text, start_header_id
