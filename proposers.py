@@ -24,6 +24,9 @@ class DraftConfig:
     total: int = 0           # nodes kept in a tree; 0 means depth * top_k
 
     def __post_init__(self):
+        if self.depth < 1 or self.top_k < 1 or self.total < 0:
+            raise ValueError(f"draft depth and top-k must be >= 1 and tree size >= 0, got "
+                             f"depth {self.depth}, top-k {self.top_k}, size {self.total}")
         if self.total == 0:
             self.total = self.depth * self.top_k
 

@@ -249,6 +249,10 @@ def parse_args(argv=None):
     p.add_argument("--show-drafts", action="store_true",
                    help="mark tokens that came from accepted drafts while streaming")
     args = p.parse_args(argv)
+    if args.max_new_tokens < 1:
+        p.error("--max-new-tokens must be at least 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        p.error("--temperature must be >= 0 and --top-p in (0, 1]")
     args.device = pick_device(args.device)
     return args
 

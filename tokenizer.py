@@ -68,7 +68,8 @@ class Tokenizer:
     stop_ids: tuple                      # generation ends at any of these
     bos_id: int | None = None            # prepended to every prompt when set (Llama 3)
     default_system: str | None = None    # system message the checkpoint's template inserts
-    merges_digest: str = field(default="", repr=False)   # compared between draft and target
+    pattern: str = ""                    # the pre-tokenizer regex
+    merges_digest: str = field(default="", repr=False)   # sha256 of all ranks: draft vs target
 
     def encode(self, text: str) -> list:
         """Token ids of text; special-token strings in it become special tokens (as HF does)."""
@@ -110,12 +111,12 @@ class Tokenizer:
 
     def same_as(self, other: "Tokenizer") -> str | None:
         """None if both tokenize identically, else what differs (for draft/target checks)."""
-        a, b = self.encoding, other.encoding
         if self.vocab_size != other.vocab_size:
             return f"vocabulary sizes differ ({self.vocab_size} vs {other.vocab_size})"
-        if a._special_tokens != b._special_tokens:
+        if self.encoding.special_tokens_set != other.encoding.special_tokens_set or any(
+                self.special(t) != other.special(t) for t in self.encoding.special_tokens_set):
             return "special tokens differ"
-        if a._pat_str != b._pat_str:
+        if self.pattern != other.pattern:
             return "pre-tokenizer patterns differ"
         if self.merges_digest != other.merges_digest:
             return "token ranks (BPE merges) differ"
@@ -186,23 +187,24 @@ def load_tokenizer(folder: str) -> Tokenizer:
     else:
         raise TokenizerError(f"no tokenizer.json or original/tokenizer.model in {folder}")
     enc, vocab_size, digest = build(ranks, specials, pattern, os.path.basename(folder))
-    return with_chat_format(enc, vocab_size, specials, config, digest)
+    return with_chat_format(enc, vocab_size, specials, config, pattern, digest)
 
 
-def with_chat_format(enc, vocab_size, specials, config, digest) -> Tokenizer:
+def with_chat_format(enc, vocab_size, specials, config, pattern, digest) -> Tokenizer:
     """Pick the chat format from the special tokens the checkpoint has."""
+    common = dict(encoding=enc, vocab_size=vocab_size, pattern=pattern, merges_digest=digest)
     template = config.get("chat_template") or ""
     if "<|im_start|>" in specials:
         # SmolLM2's template inserts its own system message when none is given: keep that.
         m = re.search(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", template)
         stops = [specials[t] for t in ("<|im_end|>", "<|endoftext|>") if t in specials]
-        return Tokenizer(enc, vocab_size, "chatml", tuple(stops), None,
-                         m.group(1) if m else None, digest)
+        return Tokenizer(chat_format="chatml", stop_ids=tuple(stops),
+                         default_system=m.group(1) if m else None, **common)
     if "<|start_header_id|>" in specials:
         stops = [specials[t] for t in ("<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")
                  if t in specials]
-        return Tokenizer(enc, vocab_size, "llama3", tuple(stops),
-                         specials.get("<|begin_of_text|>"), None, digest)
+        return Tokenizer(chat_format="llama3", stop_ids=tuple(stops),
+                         bos_id=specials.get("<|begin_of_text|>"), **common)
     eos = config.get("eos_token")
     stops = [specials[eos]] if isinstance(eos, str) and eos in specials else []
-    return Tokenizer(enc, vocab_size, "none", tuple(stops), None, None, digest)
+    return Tokenizer(chat_format="none", stop_ids=tuple(stops), **common)
