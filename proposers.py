@@ -129,3 +129,35 @@ class DraftModelProposer:
         keep = torch.cat([torch.arange(len(self.pending)), slots[:n_fed] - self.base])
         self.cache.keep(self.base, keep)
         self.pending = tree.tokens[accepted[n_fed:].cpu()].tolist()
+
+
+class PromptLookupProposer:
+    """Prompt lookup: propose what followed the latest earlier occurrence of the last n tokens.
+
+    No weights and no model: strong where the output copies its input (summaries, retrieval,
+    code edits). The chain is deterministic, so sampling verifies it with the tree rule."""
+
+    def __init__(self, depth: int = 4, max_ngram: int = 3):
+        if depth < 1 or max_ngram < 1:
+            raise ValueError(f"prompt lookup needs depth >= 1 and n >= 1, got {depth}, {max_ngram}")
+        self.depth, self.max_ngram = depth, max_ngram
+        self.max_nodes = depth + 1
+
+    def start(self, prompt_ids: list) -> None:
+        self.context = torch.tensor(prompt_ids, dtype=torch.long)
+
+    def propose(self, root: int, gen, generator) -> tuple:
+        return chain(root, self.lookup(torch.cat([self.context, torch.tensor([root])]))), None
+
+    def lookup(self, ctx: torch.Tensor) -> torch.Tensor:
+        """The continuation (up to depth tokens) of the latest earlier match, longest n first."""
+        for n in range(min(self.max_ngram, ctx.shape[0] - 1), 0, -1):
+            windows = ctx[:-1].unfold(0, n, 1)                    # (len - n, n), all but the tail
+            hits = (windows == ctx[-n:]).all(1).nonzero()
+            if hits.numel():
+                start = int(hits[-1]) + n
+                return ctx[start:start + self.depth]
+        return ctx[:0]
+
+    def commit(self, tree: Tree, accepted: torch.Tensor) -> None:
+        self.context = torch.cat([self.context, tree.tokens[accepted.cpu()]])

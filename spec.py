@@ -162,8 +162,12 @@ def load_target(args):
 
 def build_proposer(args, target, tokenizer, slots):
     from model import load_model
-    from proposers import DraftConfig, DraftModelProposer, truncated_draft
+    from proposers import DraftConfig, DraftModelProposer, PromptLookupProposer, truncated_draft
     from tokenizer import load_tokenizer
+    if args.method == "ngram":
+        proposer = PromptLookupProposer(args.num_speculative_tokens, args.ngram_max)
+        return proposer, {"draft": f"prompt lookup, n <= {args.ngram_max}", "draft_params": 0,
+                          "draft_memory_mb": 0.0}
     config = DraftConfig(depth=args.num_speculative_tokens, top_k=args.draft_top_k,
                          total=args.tree_size)
     if args.draft:
@@ -205,8 +209,9 @@ class Streamer:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--method", choices=["ar", "draft"], default="ar",
-                   help="decoding method: ar = plain decoding, draft = draft-model speculation")
+    p.add_argument("--method", choices=["ar", "draft", "ngram"], default="ar",
+                   help="decoding method: ar = plain decoding, draft = draft-model speculation, "
+                        "ngram = prompt lookup (the continuation of an earlier match)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message (or raw text)")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, no chat template")
     p.add_argument("--max-new-tokens", type=int, default=GenConfig.max_new_tokens,
@@ -246,6 +251,8 @@ def parse_args(argv=None):
     p.add_argument("--verify-curve", action="store_true",
                    help="print the cost of one target forward over k new tokens, k = 1..64, "
                         "relative to k = 1: where verifying a tree stops being free")
+    p.add_argument("--ngram-max", type=int, default=3,
+                   help="prompt lookup: longest n-gram matched against the context")
     p.add_argument("--show-drafts", action="store_true",
                    help="mark tokens that came from accepted drafts while streaming")
     args = p.parse_args(argv)

@@ -648,3 +648,26 @@ def test_llama3_tokenizer_model_and_chat_format(tmp_path):
                                "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nhello"
                                "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
     assert ids[:2] == [n, n + 6]                           # begin_of_text, start_header_id
+
+
+def test_prompt_lookup_finds_the_latest_match_and_is_lossless():
+    from proposers import PromptLookupProposer
+    p = PromptLookupProposer(depth=3, max_ngram=2)
+    #             0  1  2  3  4  5  6  7  8  9
+    ctx = torch.tensor([5, 6, 7, 8, 5, 6, 9, 1, 2, 5, 6])
+    assert p.lookup(ctx).tolist() == [9, 1, 2], "the latest earlier match of (5, 6) is at 4"
+    assert p.lookup(torch.tensor([1, 2, 3, 4])).tolist() == [], "no match, no draft"
+    assert p.lookup(torch.tensor([3, 1, 2, 3])).tolist() == [1, 2, 3], "falls back to n = 1"
+    target = tiny_model(6)
+    prompt = [3, 4, 5, 6, 7, 8, 3, 4, 5, 6, 7, 8, 3, 4]
+    for temperature in (0.0, 0.9):
+        gen = GenConfig(max_new_tokens=40, temperature=temperature, seed=3)
+        plain = generate_ar(target, prompt, gen).token_ids
+        proposer = PromptLookupProposer(4)
+        spec = generate_spec(target, proposer, prompt, gen)
+        context = proposer.context.tolist()       # what it searches: everything committed so far
+        assert len(context) >= len(prompt) + len(spec.token_ids) - 1
+        assert context[:len(prompt) + len(spec.token_ids)] == (prompt + spec.token_ids)[:len(context)]
+        if temperature == 0:
+            assert spec.token_ids == plain
+        assert len(spec.token_ids) == 40
