@@ -103,11 +103,6 @@ def static_tree(paths: list) -> StaticTree:
     return StaticTree(parents, depths, ranks, mask, retrieve_indices(mask, depths))
 
 
-def chain_paths(k: int) -> list:
-    """The path list of a chain of k drafted tokens."""
-    return [[0] * i for i in range(1, k + 1)]
-
-
 def grow_tree(expand, root: int, depth: int, top_k: int, total: int) -> tuple:
     """EAGLE-2's dynamic draft tree (Li et al. 2024, arXiv 2406.16858, Sec. 4).
 
