@@ -186,8 +186,28 @@ class Attention(nn.Module):
         k_cache[:, :, start:start + T] = k
         v_cache[:, :, start:start + T] = v
         keys, values = k_cache[:, :, :start + T], v_cache[:, :, :start + T]   # (B, K, start+T, D)
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        if T == 1 or B > 1:
+            y = grouped_attention(q, keys, values, mask)
+        else:
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))            # (B, T, C)
+
+
+def grouped_attention(q, keys, values, mask):
+    """q (B, H, T, D), keys/values (B, K, S, D), mask (T, S) or (B, 1, T, S) or None -> (B, H, T, D).
+
+    Two matmuls with the query heads of one KV head stacked, instead of SDPA: on these CPUs in
+    bf16 SDPA's flash kernel takes 0.18 ms for one query over 300 keys (this: 0.12) and 5.0 ms
+    for a batch of 32 (this: 0.9), while SDPA wins for a 16-token tree at batch 1."""
+    B, H, T, D = q.shape
+    K, S = keys.shape[1], keys.shape[2]
+    scores = q.reshape(B, K, H // K * T, D) @ keys.transpose(-1, -2)    # (B, K, G*T, S)
+    scores = scores.view(B, K, H // K, T, S) * D ** -0.5                # (B, K, G, T, S)
+    if mask is not None:
+        scores = scores.masked_fill(~mask.view(-1, 1, 1, T, S), float("-inf"))
+    wide = torch.promote_types(q.dtype, torch.float32)                  # softmax in >= fp32
+    probs = scores.to(wide).softmax(-1).to(q.dtype).view(B, K, -1, S)   # (B, K, G*T, S)
+    return (probs @ values).view(B, H, T, D)
 
 
 class MLP(nn.Module):

@@ -3,10 +3,12 @@
 Dimensions: N tree nodes, K drafted chain tokens, V vocab, P pending tokens.
 
 Every proposer has the same three calls, used by spec.generate_spec:
-  start(prompt_ids)                      before the first step;
+  start(prompt_ids, hidden)              before the first step; hidden (P, C) the target's final
+                                         features of the prompt (EAGLE and Medusa read them);
   propose(root, gen, generator)          -> (Tree, q): q (K, V) the draft's distributions when the
                                          chain was sampled from them, else None (deterministic);
-  commit(tree, accepted)                 the accepted node indices (root first), after verification.
+  commit(tree, accepted, hidden)         the accepted node indices (root first) after verification,
+                                         with the target's features of all tree nodes (N, C).
 """
 from dataclasses import dataclass
 
@@ -46,6 +48,20 @@ def truncated_draft(target: Llama, layers: int) -> Llama:
     return draft.eval()
 
 
+def node_mask(tree: Tree, frontier: torch.Tensor, node_slot: torch.Tensor, root_slot: int,
+              length: int) -> torch.Tensor:
+    """(F, length + F) bool: new frontier nodes see the committed prefix up to the root's slot,
+    their ancestors already in the draft's cache (node_slot >= 0) and themselves."""
+    F = frontier.shape[0]
+    anc = ancestor_mask(tree.parents, tree.depths)[frontier]                 # (F, N)
+    fed = (node_slot[:tree.size] >= 0).nonzero().squeeze(1)
+    mask = torch.zeros(F, length + F, dtype=torch.bool)
+    mask[:, :root_slot + 1] = True
+    mask[:, node_slot[fed]] = anc[:, fed]
+    mask[:, length:] = torch.eye(F, dtype=torch.bool)
+    return mask
+
+
 class DraftModelProposer:
     """A smaller Llama with the same tokenizer drafts a chain, or an EAGLE-2-style tree.
 
@@ -59,7 +75,7 @@ class DraftModelProposer:
         self.device = model.embed.weight.device
         self.max_nodes = config.total + 1            # verified nodes per step, root included
 
-    def start(self, prompt_ids: list) -> None:
+    def start(self, prompt_ids: list, hidden=None) -> None:
         self.cache = self.model.new_cache(1, self.slots)
         self.pending = list(prompt_ids)
 
@@ -93,12 +109,7 @@ class DraftModelProposer:
     def feed_nodes(self, frontier: torch.Tensor, tree: Tree) -> torch.Tensor:
         """Feed tree nodes into the draft cache, each seeing its own ancestors; (F, V) log-probs."""
         F, length = frontier.shape[0], self.cache.length
-        anc = ancestor_mask(tree.parents, tree.depths)[frontier]             # (F, N)
-        fed = (self.node_slot[:tree.size] >= 0).nonzero().squeeze(1)
-        mask = torch.zeros(F, length + F, dtype=torch.bool)                 # (F, slots + F)
-        mask[:, :self.root_slot + 1] = True
-        mask[:, self.node_slot[fed]] = anc[:, fed]
-        mask[:, length:] = torch.eye(F, dtype=torch.bool)
+        mask = node_mask(tree, frontier, self.node_slot, self.root_slot, length)
         ids = tree.tokens[frontier][None].to(self.device)                   # (1, F)
         pos = (self.root_slot + tree.depths[frontier])[None].to(self.device)
         logits, _ = self.model(ids, pos, self.cache, mask=mask.to(self.device))
@@ -122,7 +133,7 @@ class DraftModelProposer:
                                     torch.tensor([-1])])
         return chain(root, tokens), torch.stack(qs)                         # q (K, V)
 
-    def commit(self, tree: Tree, accepted: torch.Tensor) -> None:
+    def commit(self, tree: Tree, accepted: torch.Tensor, hidden=None) -> None:
         """Keep the accepted nodes the draft fed; the others become pending."""
         slots = self.node_slot[accepted.cpu()]
         n_fed = int((slots >= 0).sum())              # fed nodes form a prefix of the path
@@ -143,7 +154,7 @@ class PromptLookupProposer:
         self.depth, self.max_ngram = depth, max_ngram
         self.max_nodes = depth + 1
 
-    def start(self, prompt_ids: list) -> None:
+    def start(self, prompt_ids: list, hidden=None) -> None:
         self.context = torch.tensor(prompt_ids, dtype=torch.long)
 
     def propose(self, root: int, gen, generator) -> tuple:
@@ -159,5 +170,110 @@ class PromptLookupProposer:
                 return ctx[start:start + self.depth]
         return ctx[:0]
 
-    def commit(self, tree: Tree, accepted: torch.Tensor) -> None:
+    def commit(self, tree: Tree, accepted: torch.Tensor, hidden=None) -> None:
         self.context = torch.cat([self.context, tree.tokens[accepted.cpu()]])
+
+
+class EagleProposer:
+    """EAGLE / EAGLE-2: the head drafts from the target's features (Li et al. 2024).
+
+    The head's cache holds one entry per committed position t: (target feature at t, token at
+    t + 1). Tree nodes are fed with the head's own predicted feature of their parent instead, and
+    dropped after verification: the accepted ones come back with the target's true features.
+    EAGLE-2 (static=None) grows the tree with tree.grow_tree; EAGLE uses a fixed StaticTree."""
+
+    def __init__(self, target: Llama, head, config: DraftConfig, slots: int, static=None):
+        from heads import projection
+        self.target, self.head, self.config, self.static = target, head, config, static
+        self.slots, self.device = slots, target.embed.weight.device
+        self.proj = projection(target, head.vocab_ids)                      # (R, C)
+        self.vocab_ids = head.vocab_ids.cpu()
+        self.max_nodes = (static.parents.shape[0] if static is not None else config.total + 1)
+
+    def start(self, prompt_ids: list, hidden=None) -> None:
+        self.cache = self.head.new_cache(self.slots)
+        self.pending_feats, self.pending_tokens = hidden, list(prompt_ids[1:])
+
+    def logp(self, feats: torch.Tensor) -> torch.Tensor:
+        """(F, C) predicted features -> (F, R) log-probabilities over the draft vocabulary."""
+        return torch.log_softmax((feats @ self.proj.T).float(), dim=-1)
+
+    def feed(self, feats, tokens, positions, mask=None) -> torch.Tensor:
+        """(T, C) features, (T,) tokens and positions -> (T, C) predicted next features."""
+        embeds = self.target.embed(tokens.to(self.device))[None]            # (1, T, C)
+        return self.head(feats[None], embeds, positions[None].to(self.device), self.cache, mask)[0]
+
+    def propose(self, root: int, gen, generator) -> tuple:
+        start, P = self.cache.length, self.pending_feats.shape[0]
+        tokens = torch.tensor(self.pending_tokens + [root])                  # (P,)
+        out = self.feed(self.pending_feats, tokens, torch.arange(start, start + P))
+        self.root_slot = self.cache.length - 1                # root's entry: its feature, root
+        n = 2 + self.config.depth * self.config.top_k ** 2 if self.static is None else \
+            self.static.parents.shape[0]
+        self.node_out = out.new_zeros(n, out.shape[1])                      # (nodes, C)
+        self.node_out[0] = out[-1]
+        self.node_slot = torch.full((n,), -1, dtype=torch.long)
+        self.node_slot[0] = self.root_slot
+        if self.static is None:
+            tree, kept = grow_tree(self.expand, root, self.config.depth, self.config.top_k,
+                                   self.config.total, self.vocab_ids)
+            return tree, None
+        return self.static_tree(root), None
+
+    def expand(self, frontier: torch.Tensor, tree: Tree) -> torch.Tensor:
+        """Feed the frontier nodes (each seeing its ancestors); (F, R) log-probs of their children."""
+        new = frontier[self.node_slot[frontier] < 0]          # all but the root, fed already
+        if new.numel():
+            mask = node_mask(tree, new, self.node_slot, self.root_slot, self.cache.length)
+            pos = self.root_slot + tree.depths[new]
+            self.node_slot[new] = torch.arange(self.cache.length, self.cache.length + len(new))
+            self.node_out[new] = self.feed(self.node_out[tree.parents[new]], tree.tokens[new],
+                                           pos, mask.to(self.device))
+        return self.logp(self.node_out[frontier])
+
+    def static_tree(self, root: int) -> Tree:
+        """Fill a StaticTree depth by depth: node = its parent's rank-th most likely child."""
+        st = self.static
+        tokens = torch.full_like(st.parents, root)
+        for d in range(int(st.depths.max())):
+            children = (st.depths == d + 1).nonzero().squeeze(1)
+            frontier = st.parents[children].unique()                         # sorted
+            tree = Tree(tokens, st.parents, st.depths, torch.zeros(len(tokens)))
+            top = self.expand(frontier, tree).topk(int(st.ranks.max()) + 1).indices.cpu()
+            row = torch.searchsorted(frontier, st.parents[children])
+            tokens[children] = self.vocab_ids[top[row, st.ranks[children]]]
+        return Tree(tokens, st.parents, st.depths, torch.zeros(len(tokens)))
+
+    def commit(self, tree: Tree, accepted: torch.Tensor, hidden=None) -> None:
+        """Drop the tree's entries; the accepted nodes return with the target's features."""
+        self.cache.length = self.root_slot + 1
+        self.pending_feats = hidden[accepted.to(hidden.device)]              # (n, C)
+        self.pending_tokens = tree.tokens[accepted[1:].cpu()].tolist()
+
+
+class MedusaProposer:
+    """Medusa: M heads read the target's feature of the last accepted token at once; the static
+    tree's node at depth d and rank r is head d's r-th most likely token (Cai et al. 2024)."""
+
+    def __init__(self, target: Llama, head, static):
+        from heads import projection
+        self.head, self.static = head, static
+        self.proj = projection(target, head.vocab_ids)                      # (R, C)
+        self.vocab_ids = head.vocab_ids.cpu()
+        self.max_nodes = static.parents.shape[0]
+        if int(static.depths.max()) > len(head.blocks):
+            raise ValueError(f"tree depth {int(static.depths.max())} > {len(head.blocks)} heads")
+
+    def start(self, prompt_ids: list, hidden=None) -> None:
+        self.feature = hidden[-1]                                           # (C,)
+
+    def propose(self, root: int, gen, generator) -> tuple:
+        st = self.static
+        logits = self.head(self.feature) @ self.proj.T                      # (M, R)
+        top = logits.topk(int(st.ranks.max()) + 1).indices.cpu()            # (M, ranks)
+        tokens = self.vocab_ids[top[(st.depths - 1).clamp(min=0), st.ranks]]
+        tokens[0] = root
+        return Tree(tokens, st.parents, st.depths, torch.zeros(len(tokens))), None
+
+    def commit(self, tree: Tree, accepted: torch.Tensor, hidden=None) -> None:
+        self.feature = hidden[accepted[-1].to(hidden.device)]

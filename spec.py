@@ -19,6 +19,11 @@ from kernels import accept_chain_sampled, accept_tree, next_tokens, target_probs
 from tree import ancestor_mask, positions, retrieve_indices
 
 DEFAULT_PROMPT = "What is the capital of France?"
+METHODS = ["ar", "draft", "ngram", "medusa", "eagle", "eagle2"]
+# (depth, top-k, tree size) per method, chosen by measurement on the default model (README)
+TREE_DEFAULTS = {"draft": (4, 1, 0), "ngram": (4, 1, 0), "medusa": (4, 1, 16),
+                 "eagle": (6, 1, 16), "eagle2": (5, 4, 16)}
+WEIGHTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights")
 
 
 @dataclass
@@ -107,24 +112,24 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
     max_nodes = proposer.max_nodes
     cache = target.new_cache(1, check_room(target, prompt_ids, gen, max_nodes))
     result, t0 = Result(), time.perf_counter()
-    logits, _ = target(torch.tensor([prompt_ids], device=device),
-                       torch.arange(len(prompt_ids), device=device)[None], cache, last_only=True)
+    logits, hidden = target(torch.tensor([prompt_ids], device=device),
+                            torch.arange(len(prompt_ids), device=device)[None], cache, last_only=True)
     result.target_forwards = 1
     root = int(next_tokens(logits[0, -1], gen.temperature, gen.top_p, generator))
     done = take(result, [root], stop_ids, gen.max_new_tokens)
     if on_tokens:
         on_tokens([root], [False])
-    proposer.start(prompt_ids)
+    proposer.start(prompt_ids, hidden[0])
     while not done and cache.length + max_nodes < cache.slots:
         tree, q = proposer.propose(root, gen, generator)
         mask = ancestor_mask(tree.parents, tree.depths)                   # (N, N)
         start = cache.length
-        logits, _ = target(tree.tokens[None].to(device),
-                           positions(tree.depths, start)[None].to(device), cache, mask)
+        logits, hidden = target(tree.tokens[None].to(device),
+                                positions(tree.depths, start)[None].to(device), cache, mask)
         result.target_forwards += 1
         accepted, root = verify(logits[0], tree, mask, q, gen, generator)
         cache.keep(start, accepted)                  # keep the accepted path's slots, in order
-        proposer.commit(tree, accepted)
+        proposer.commit(tree, accepted, hidden[0])
         new = tree.tokens[accepted[1:]].tolist() + [root]
         result.accepted.append(len(new) - 1)
         result.drafted.append(tree.size - 1)
@@ -164,6 +169,8 @@ def build_proposer(args, target, tokenizer, slots):
     from model import load_model
     from proposers import DraftConfig, DraftModelProposer, PromptLookupProposer, truncated_draft
     from tokenizer import load_tokenizer
+    if args.method in ("medusa", "eagle", "eagle2"):
+        return head_proposer(args, target, slots)
     if args.method == "ngram":
         proposer = PromptLookupProposer(args.num_speculative_tokens, args.ngram_max)
         return proposer, {"draft": f"prompt lookup, n <= {args.ngram_max}", "draft_params": 0,
@@ -185,6 +192,30 @@ def build_proposer(args, target, tokenizer, slots):
     info = {"draft": name, "draft_params": sum(p.numel() for p in draft.parameters()),
             "draft_memory_mb": round(extra / 2**20, 1)}
     return DraftModelProposer(draft, config, slots), info
+
+
+def head_proposer(args, target, slots):
+    """Medusa / EAGLE / EAGLE-2 from a trained head folder (default: the shipped weights)."""
+    from heads import best_paths, load_head
+    from proposers import DraftConfig, EagleProposer, MedusaProposer
+    from tree import static_tree
+    kind = "medusa" if args.method == "medusa" else "eagle"
+    folder = args.head or os.path.join(WEIGHTS, f"smollm2-135m-{kind}")
+    head, config = load_head(folder, target, kind)
+    if args.method == "eagle2":
+        proposer = EagleProposer(target, head, DraftConfig(args.num_speculative_tokens,
+                                                           args.draft_top_k, args.tree_size), slots)
+    else:
+        accuracy = config.accuracy[:args.num_speculative_tokens]
+        if not accuracy:
+            raise ValueError(f"{folder}/config.json has no measured accuracy to build a tree from")
+        tree = static_tree(best_paths(accuracy, args.tree_size or 16))
+        proposer = (MedusaProposer(target, head, tree) if kind == "medusa" else
+                    EagleProposer(target, head, DraftConfig(args.num_speculative_tokens), slots, tree))
+    size = sum(p.numel() * p.element_size() for p in head.parameters())
+    size += proposer.proj.numel() * proposer.proj.element_size()
+    return proposer, {"draft": folder, "draft_params": sum(p.numel() for p in head.parameters()),
+                      "draft_memory_mb": round(size / 2**20, 1)}
 
 
 class Streamer:
@@ -209,9 +240,11 @@ class Streamer:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--method", choices=["ar", "draft", "ngram"], default="ar",
+    p.add_argument("--method", choices=METHODS, default="ar",
                    help="decoding method: ar = plain decoding, draft = draft-model speculation, "
-                        "ngram = prompt lookup (the continuation of an earlier match)")
+                        "ngram = prompt lookup (the continuation of an earlier match), medusa = "
+                        "Medusa heads, eagle = EAGLE head with a static tree, eagle2 = EAGLE head "
+                        "with EAGLE-2's dynamic tree")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message (or raw text)")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, no chat template")
     p.add_argument("--max-new-tokens", type=int, default=GenConfig.max_new_tokens,
@@ -231,17 +264,24 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the target (minutes to compile on a CPU; not faster there "
                         "in our measurements)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--json", nargs="?", const="-", metavar="FILE",
+                   help="print one JSON object instead of text (with --bench: write the full "
+                        "report, per prompt too, to FILE)")
     p.add_argument("--draft", help="draft model: a HF Llama folder with the target's tokenizer "
                                    "(default: the target's first --draft-layers layers)")
     p.add_argument("--draft-layers", type=int, default=4,
                    help="layers of the truncated-target draft used when --draft is not given")
-    p.add_argument("--num-speculative-tokens", type=int, default=4,
-                   help="draft depth: tokens proposed along each path per step")
-    p.add_argument("--draft-top-k", type=int, default=1,
-                   help="children per expanded draft node; 1 drafts a chain, more a tree")
-    p.add_argument("--tree-size", type=int, default=0,
-                   help="draft nodes kept per step (0: depth x top-k)")
+    p.add_argument("--head", help="trained head folder for medusa, eagle and eagle2 (default: "
+                                  "the weights shipped in weights/ for the default model)")
+    p.add_argument("--num-speculative-tokens", type=int,
+                   help="draft depth: tokens proposed along each path per step (default per "
+                        "method: " + ", ".join(f"{m} {d[0]}" for m, d in TREE_DEFAULTS.items()) + ")")
+    p.add_argument("--draft-top-k", type=int,
+                   help="children per expanded draft node; 1 drafts a chain, more a tree "
+                        "(default: eagle2 " + str(TREE_DEFAULTS["eagle2"][1]) + ", others 1)")
+    p.add_argument("--tree-size", type=int,
+                   help="draft nodes verified per step (0: depth x top-k; default: " +
+                        ", ".join(f"{m} {d[2]}" for m, d in TREE_DEFAULTS.items()) + ")")
     p.add_argument("--compare-hf", action="store_true",
                    help="time our plain decoding against transformers' generate on the same "
                         "model, dtype and prompts, in one run, and print the ratio")
@@ -251,6 +291,12 @@ def parse_args(argv=None):
     p.add_argument("--verify-curve", action="store_true",
                    help="print the cost of one target forward over k new tokens, k = 1..64, "
                         "relative to k = 1: where verifying a tree stops being free")
+    p.add_argument("--bench", metavar="PROMPTS.jsonl",
+                   help="benchmark --methods on JSONL prompts ({prompt} or {turns}, optional "
+                        "category), e.g. Spec-Bench's question.jsonl; prints the tables")
+    p.add_argument("--methods", default="ar,ngram,medusa,eagle,eagle2",
+                   help="comma-separated methods for --bench; ar always runs as the baseline")
+    p.add_argument("--categories", help="comma-separated categories for --bench (default: all)")
     p.add_argument("--ngram-max", type=int, default=3,
                    help="prompt lookup: longest n-gram matched against the context")
     p.add_argument("--show-drafts", action="store_true",
@@ -261,7 +307,31 @@ def parse_args(argv=None):
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         p.error("--temperature must be >= 0 and --top-p in (0, 1]")
     args.device = pick_device(args.device)
-    return args
+    return with_tree_defaults(args, args.method)
+
+
+def with_tree_defaults(args, method: str):
+    """A copy of args with the method's depth, top-k and tree size where the user gave none."""
+    depth, top_k, size = TREE_DEFAULTS.get(method, (4, 1, 0))
+    user = getattr(args, "user_tree", (args.num_speculative_tokens, args.draft_top_k,
+                                       args.tree_size))
+    return argparse.Namespace(**{**vars(args), "method": method, "user_tree": user,
+                                 "num_speculative_tokens": user[0] or depth,
+                                 "draft_top_k": user[1] or top_k,
+                                 "tree_size": size if user[2] is None else user[2]})
+
+
+def bench_decoder(args, method: str, target, tokenizer) -> tuple:
+    """For bench.run_bench: (prompt_ids -> Result, MB the method adds to the target)."""
+    gen = GenConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    if method == "ar":
+        return (lambda ids: generate_ar(target, ids, gen, tokenizer.stop_ids)), 0.0
+    margs = with_tree_defaults(args, method)
+    extra = margs.num_speculative_tokens * margs.draft_top_k + margs.tree_size + 1
+    proposer, info = build_proposer(margs, target, tokenizer,
+                                    target.config.max_positions + extra + 1)
+    return (lambda ids: generate_spec(target, proposer, ids, gen, tokenizer.stop_ids),
+            info["draft_memory_mb"])
 
 
 def run(args) -> dict:
@@ -275,7 +345,8 @@ def run(args) -> dict:
     if args.method == "ar":
         result = generate_ar(target, prompt_ids, gen, tokenizer.stop_ids, stream)
     else:
-        slots = check_room(target, prompt_ids, gen, args.num_speculative_tokens * args.draft_top_k)
+        slots = check_room(target, prompt_ids, gen, args.num_speculative_tokens * args.draft_top_k
+                           + args.tree_size + 1)
         proposer, info = build_proposer(args, target, tokenizer, slots)
         result = generate_spec(target, proposer, prompt_ids, gen, tokenizer.stop_ids, stream)
     text_ids = [t for t in result.token_ids if t not in tokenizer.stop_ids]
@@ -381,6 +452,15 @@ def main(argv=None):
     try:
         if args.verify_curve:
             print(json.dumps(verify_curve(args)))
+            return
+        if args.bench:
+            from bench import run_bench
+            report = run_bench(args, lambda m, t, tok: bench_decoder(args, m, t, tok))
+            if args.json and args.json != "-":
+                with open(args.json, "w") as f:
+                    json.dump(report, f)
+            elif args.json:
+                print(json.dumps(report))
             return
         if args.compare_hf:
             print(json.dumps(compare_hf(args)))

@@ -103,7 +103,7 @@ def static_tree(paths: list) -> StaticTree:
     return StaticTree(parents, depths, ranks, mask, retrieve_indices(mask, depths))
 
 
-def grow_tree(expand, root: int, depth: int, top_k: int, total: int) -> tuple:
+def grow_tree(expand, root: int, depth: int, top_k: int, total: int, vocab_ids=None) -> tuple:
     """EAGLE-2's dynamic draft tree (Li et al. 2024, arXiv 2406.16858, Sec. 4).
 
     For `depth` rounds, expand the `top_k` nodes of the newest layer with the highest cumulative
@@ -111,13 +111,15 @@ def grow_tree(expand, root: int, depth: int, top_k: int, total: int) -> tuple:
     then keep the `total` best nodes of everything drafted. A child never scores above its parent,
     and a stable sort puts the parent first on a tie, so the kept nodes form a connected subtree.
 
-    expand(frontier (F,) node indices, tree so far) -> (F, V) log-probabilities of their children.
+    expand(frontier (F,) node indices, tree so far) -> (F, V) log-probabilities of their children,
+    or (F, R) over a reduced draft vocabulary whose target ids are vocab_ids (R,).
     Returns the kept Tree (parents before children) and kept (N,) indices into the grown tree."""
     tree = Tree(torch.tensor([root]), torch.tensor([-1]), torch.tensor([0]), torch.zeros(1))
     frontier = torch.tensor([0])
     for _ in range(depth):
         logp = expand(frontier, tree)                                  # (F, V)
         top_logp, top_tok = logp.float().topk(top_k, dim=-1)           # (F, k)
+        top_tok = top_tok if vocab_ids is None else vocab_ids[top_tok]
         cand = (tree.scores[frontier, None] + top_logp.cpu()).flatten()   # (F * k,)
         first = tree.size
         tree = Tree(torch.cat([tree.tokens, top_tok.flatten().cpu()]),

@@ -1,0 +1,286 @@
+"""Tests of the feature-reading heads (EAGLE, EAGLE-2, Medusa): losslessness, the head's tree
+cache against per-path runs, static trees against brute force, files, and training."""
+import itertools
+import json
+
+import pytest
+import torch
+
+from heads import (EagleHead, HeadConfig, MedusaHeads, best_paths, eagle_layer_config,
+                   load_head, save_head)
+from model import LoadError
+from proposers import DraftConfig, EagleProposer, MedusaProposer
+from spec import GenConfig, generate_ar, generate_spec
+from test_spec import default_path, tiny_model  # noqa: F401 (default_path is a fixture)
+from tree import static_tree
+
+
+def random_eagle(target, seed=0, vocab=None) -> EagleHead:
+    torch.manual_seed(seed)
+    V = target.config.vocab_size
+    ids = torch.arange(V) if vocab is None else torch.randperm(V)[:vocab].sort().values
+    head = EagleHead(target.config.__class__(**eagle_layer_config(target.config)), ids)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.3)
+    return head.to(torch.float64).eval()
+
+
+def random_medusa(target, heads=3, seed=0) -> MedusaHeads:
+    torch.manual_seed(seed)
+    m = MedusaHeads(target.config.hidden_size, heads, torch.arange(target.config.vocab_size))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3)
+    return m.to(torch.float64).eval()
+
+
+PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0]]
+
+
+@pytest.mark.parametrize("kind", ["eagle2", "eagle2_reduced_vocab", "eagle", "medusa"])
+def test_greedy_with_random_heads_equals_plain_greedy(kind):
+    gen = GenConfig(max_new_tokens=40)
+    for seed in range(3):
+        target = tiny_model(seed)
+        if kind == "medusa":
+            proposer = MedusaProposer(target, random_medusa(target, 3, seed), static_tree(PATHS))
+        else:
+            head = random_eagle(target, seed, vocab=40 if "reduced" in kind else None)
+            static = static_tree(PATHS) if kind == "eagle" else None
+            proposer = EagleProposer(target, head, DraftConfig(4, 3, 8), 256, static)
+        for prompt in ([1, 2, 3], [7], [11, 5, 9, 30, 2, 8]):
+            plain = generate_ar(target, prompt, gen).token_ids
+            spec = generate_spec(target, proposer, prompt, gen)
+            assert spec.token_ids == plain, f"{kind}, seed {seed}, prompt {prompt}"
+            assert max(spec.drafted) == proposer.max_nodes - 1
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_eagle_tree_features_equal_each_path_fed_alone(static):
+    """Every tree node's predicted feature equals feeding its path one entry at a time into a
+    fresh head cache: the tree mask in the head's own cache is right."""
+    target, head = tiny_model(1), random_eagle(tiny_model(1), 3)
+    proposer = EagleProposer(target, head, DraftConfig(4, 3, 10), 256,
+                             static_tree(PATHS) if static else None)
+    prompt = [3, 14, 15, 9, 2]
+    logits, hidden = target(torch.tensor([prompt]), torch.arange(5)[None], target.new_cache(1, 64))
+    root = int(logits[0, -1].argmax())
+    proposer.start(prompt, hidden[0])
+    seen = []
+    expand = proposer.expand
+    proposer.expand = lambda frontier, tree: seen.append(tree) or expand(frontier, tree)
+    proposer.propose(root, GenConfig(), None)
+    grown, grown_out = seen[-1], proposer.node_out     # the last tree expanded holds all fed nodes
+    # rebuild the full grown tree's shape from what was fed (node_slot >= 0 marks fed nodes)
+    fed = (proposer.node_slot >= 0).nonzero().squeeze(1)
+    assert len(fed) > 4, "the tree should have several fed nodes"
+    for node in fed.tolist():
+        path = []
+        j = node
+        while j != 0:
+            path.append(j)
+            j = int(grown.parents[j])
+        cache = head.new_cache(64)
+        feats = torch.cat([hidden[0]])
+        tok = torch.tensor(prompt[1:] + [root])
+        out = head(feats[None], target.embed(tok)[None], torch.arange(5)[None], cache)[0, -1]
+        for d, j in enumerate(reversed(path), 1):
+            t = grown.tokens[j]
+            out = head(out[None, None], target.embed(t.view(1, 1)), torch.tensor([[4 + d]]),
+                       cache)[0, -1]
+        assert torch.allclose(out, grown_out[node], rtol=0, atol=1e-10), f"node {node}, path {path}"
+
+
+def test_best_paths_equal_brute_force():
+    torch.manual_seed(0)
+    acc = [sorted(torch.rand(3).tolist(), reverse=True) for _ in range(3)]
+    universe = [p for n in (1, 2, 3) for p in itertools.product(range(3), repeat=n)]
+
+    def value(paths):
+        return sum(torch.tensor([acc[d][r] for d, r in enumerate(p)]).prod().item() for p in paths)
+
+    for size in (1, 3, 5):
+        closed = [s for s in itertools.combinations(universe, size)
+                  if all(p[:-1] in s or len(p) == 1 for p in s)]
+        best = max(value(s) for s in closed)
+        got = best_paths(acc, size)
+        assert len(got) == size and all(p[:-1] in got or len(p) == 1 for p in got)
+        assert abs(value(got) - best) < 1e-9, f"size {size}: {value(got)} < optimum {best}"
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_head_save_load_round_trip_and_bad_config(tmp_path, kind):
+    target = tiny_model(2)
+    head = random_eagle(target) if kind == "eagle" else random_medusa(target)
+    config = HeadConfig(kind, target.config.hidden_size, target.config.vocab_size,
+                        len(head.vocab_ids), 3, eagle_layer_config(target.config) if kind == "eagle" else {})
+    head = head.to(torch.bfloat16).to(torch.float64)        # what a 16-bit file can hold
+    save_head(head, config, str(tmp_path / "h"), {"steps": 1})
+    loaded, _ = load_head(str(tmp_path / "h"), target, kind)
+    for (name, a), b in zip(head.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    other = kind == "eagle" and "medusa" or "eagle"
+    with pytest.raises(LoadError, match=f"holds a {kind} head"):
+        load_head(str(tmp_path / "h"), target, other)
+    with pytest.raises(LoadError, match="hidden size"):
+        load_head(str(tmp_path / "h"), tiny_model(0, hidden_size=16, num_heads=2,
+                                                   num_kv_heads=1), kind)
+    with pytest.raises(LoadError, match="no config.json"):
+        load_head(str(tmp_path), target, kind)
+    cfg = json.loads((tmp_path / "h" / "config.json").read_text())
+    cfg["draft_vocab"] = 7
+    cfg["num_heads"] = 5
+    cfg["layer"] = {**cfg["layer"], "intermediate_size": 8} if kind == "eagle" else {}
+    (tmp_path / "h" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(LoadError, match="does not fit its config.json"):
+        load_head(str(tmp_path / "h"), target, kind)
+
+
+# ---------------------------------------------------------------- training
+
+class TinyTokenizer:
+    """Enough of tokenizer.Tokenizer for feature extraction on a tiny model."""
+    stop_ids = (0,)
+
+    def chat_prompt(self, text):
+        return [5] + [1 + ord(c) % 50 for c in text]
+
+    def encode(self, text):
+        return [1 + ord(c) % 50 for c in text]
+
+
+def test_batched_greedy_equals_plain_greedy_per_prompt():
+    import train_heads as th
+    target = tiny_model(4)
+    prompts = [[1, 2, 3], [7], [11, 5, 9, 30, 2, 8], [4, 4]]
+    for (tokens, hidden), p in zip(th.batched_greedy(target, prompts, 12, (0,)), prompts):
+        plain = generate_ar(target, p, GenConfig(12), (0,)).token_ids
+        assert tokens == p + plain, f"prompt {p}"
+        full = target(torch.tensor([tokens[:-1]]), torch.arange(len(tokens) - 1)[None],
+                      target.new_cache(1, 64))[1][0]
+        assert torch.allclose(hidden, full, atol=1e-9), "features must equal a full forward's"
+
+
+def test_training_smoke_loss_falls_and_saved_head_decodes_the_same(tmp_path):
+    import train_heads as th
+    from heads import build_head, projection
+    torch.manual_seed(0)
+    target = tiny_model(3).float().requires_grad_(False)
+    rows = [(f"q{i} {'ab' * (i % 5)}", None) for i in range(40)]
+    th.extract_features(target, TinyTokenizer(), rows, str(tmp_path / "f"), 8, 24, 64)
+    seqs = th.load_features(str(tmp_path / "f"))
+    assert len(seqs) == 40 and all(len(s.hidden) == len(s.tokens) - 1 for s in seqs)
+    for method in ("eagle", "medusa"):
+        vocab = th.draft_vocabulary(seqs, 40, (0,))
+        c = target.config
+        config = HeadConfig(method, c.hidden_size, c.vocab_size, len(vocab), 3,
+                            eagle_layer_config(c) if method == "eagle" else {})
+        head = build_head(config, vocab)
+        proj = projection(target, vocab)
+        loss = ((lambda b: th.eagle_loss(head, target.embed, proj, b, 3, 0.1)) if method == "eagle"
+                else (lambda b: th.medusa_loss(head, proj, b)))
+        record = th.train(head, loss, seqs, th.TrainConfig(epochs=30, tokens_per_batch=256,
+                                                           lr=3e-3), str(tmp_path / method))
+        first, last = record["losses"][:5], record["losses"][-5:]
+        mean = lambda rows: sum(sum(r) / len(r) for r in rows) / len(rows)
+        # soft cross-entropy cannot fall below the target's entropy; a clear drop is the signal
+        assert mean(last) < mean(first) - 0.4, f"{method}: loss {mean(first)} -> {mean(last)}"
+        config.accuracy = th.accuracy_table(target, head, method, seqs[:8], 3, 4)
+        save_head(head, config, str(tmp_path / f"{method}_out"), {"steps": record["step"]})
+        loaded, _ = load_head(str(tmp_path / f"{method}_out"), target, method)
+        head = head.to(torch.bfloat16).float()           # the file holds 16-bit weights
+        paths = best_paths(config.accuracy, 6)
+        for h in (head, loaded):
+            prop = (EagleProposer(target, h, DraftConfig(3, 2, 5), 256) if method == "eagle"
+                    else MedusaProposer(target, h, static_tree(paths)))
+            out = generate_spec(target, prop, [5, 9, 3], GenConfig(20)).token_ids
+            if h is head:
+                expect = out
+        assert out == expect == generate_ar(target, [5, 9, 3], GenConfig(20)).token_ids
+
+
+# ---------------------------------------------------------------- the benchmark
+
+def test_bench_reads_both_formats_and_names_bad_lines(tmp_path):
+    from bench import read_bench
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "hi", "category": "a"}\n\n'
+                 '{"question_id": 81, "category": "b", "turns": ["one", "two"]}\n')
+    got = read_bench(str(f))
+    assert [(p.id, p.category, p.turns) for p in got] == [("1", "a", ["hi"]), ("81", "b", ["one", "two"])]
+    assert [p.id for p in read_bench(str(f), categories="b")] == ["81"]
+    f.write_text('{"prompt": "hi"}\n{"turns": "not a list"}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2: expected a JSON object"):
+        read_bench(str(f))
+    f.write_text('{"prompt": "hi"}\n{oops\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2"):
+        read_bench(str(f))
+
+
+def test_bench_table_arithmetic_on_a_synthetic_run():
+    from bench import Record, format_tables, summarize
+    R = Record
+    records = [R("ar", "1", "x", 0, [1, 2, 3, 4], 4, 2.0), R("ar", "2", "y", 0, [5, 6], 2, 1.0),
+               R("e", "1", "x", 0, [1, 2, 3, 4], 2, 0.5, [2, 1]),
+               R("e", "2", "y", 0, [5, 7], 1, 1.0, [1])]
+    s = summarize(records, ["ar", "e"], {"e": 5.0}, 100.0)
+    e = s["methods"]["e"]
+    assert e["tau"] == 6 / 3 and e["tokens_per_s"] == 6 / 1.5
+    assert e["speedup"] == (6 / 1.5) / (6 / 3.0)
+    assert e["memory_pct"] == 5.0 and e["identical"] == [1, 2]
+    assert e["acceptance_by_position"] == [1.0, 1 / 3]
+    assert s["categories"]["x"]["e"] == {"tau": 2.0, "speedup": (4 / 0.5) / (4 / 2.0)}
+    assert s["categories"]["y"]["e"]["speedup"] == 1.0
+    text = format_tables(s, ["ar", "e"])
+    assert "e            2.00      4.0    2.00x     5.0   5.0%     1/2" in text, text
+
+
+# ---------------------------------------------------------------- the shipped weights
+
+@pytest.fixture(scope="module")
+def default_target(default_path):
+    from model import load_model
+    from tokenizer import load_tokenizer
+    return load_model(default_path, torch.float32), load_tokenizer(default_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle2"])
+def test_shipped_heads_equal_plain_greedy_on_default_model_in_float32(default_target, method):
+    import spec
+    target, tokenizer = default_target
+    args = spec.parse_args(["--method", method, "--dtype", "float32"])
+    proposer, _ = spec.build_proposer(args, target, tokenizer, 1024)
+    gen, taus = GenConfig(48), []
+    for prompt in ["Write a short poem about the sea.", "How do vaccines work?"]:
+        ids = tokenizer.chat_prompt(prompt)
+        plain = generate_ar(target, ids, gen, tokenizer.stop_ids).token_ids
+        out = generate_spec(target, proposer, ids, gen, tokenizer.stop_ids)
+        assert out.token_ids == plain, f"{method}: {prompt}"
+        taus.append(out.tau)
+    assert min(taus) > 1.3, f"trained {method} heads should be accepted often, tau {taus}"
+
+
+def test_training_time_test_unroll_equals_drafting_at_inference():
+    """Step j of the training unroll at entry i equals what drafting does at inference: the true
+    entries up to the root i - j in the head's cache, then j entries fed with the head's own
+    predicted features (ttt_mask and the feature shift are right)."""
+    import train_heads as th
+    target = tiny_model(6)
+    head = random_eagle(target, 2)
+    tokens = torch.tensor([3, 17, 4, 40, 9, 21, 8, 33, 12, 5])
+    hidden = target(tokens[None], torch.arange(10)[None], target.new_cache(1, 16))[1][0]
+    b = th.make_batch([th.Seq(tokens, hidden[:-1], 2)])
+    b.feats = hidden[None, :-1].detach()                   # float64, not make_batch's float32
+    outs = th.eagle_unroll(head, target.embed, b, 4)
+    for j in range(4):
+        for i in range(j, 9):
+            root = i - j
+            cache = head.new_cache(16)
+            out = head(hidden[None, :root + 1], target.embed(tokens[1:root + 2])[None],
+                       torch.arange(root + 1)[None], cache)[0, -1]
+            for m in range(1, j + 1):
+                out = head(out[None, None], target.embed(tokens[root + m + 1]).view(1, 1, -1),
+                           torch.tensor([[root + m]]), cache)[0, -1]
+            assert torch.allclose(out, outs[j][0, i], rtol=0, atol=1e-10), f"step {j}, entry {i}"

@@ -1,0 +1,545 @@
+"""Train draft heads (EAGLE, Medusa) and a distilled draft model on the target's own outputs.
+
+    python train_heads.py --method eagle --data prompts.jsonl --out weights/eagle
+
+Two stages, both resumable:
+  1. features: the target reads (or, for prompt-only lines, first writes) each conversation; its
+     tokens and final hidden states go to FEATURES/shard_*.safetensors in 16-bit.
+  2. training: the proposer learns from those shards; checkpoints every few minutes.
+At the end tau is measured with the real decoding loop on held-out prompts and written, with the
+data, steps, wall time and losses, to OUT/training.json.
+
+Dimensions: B batch, T tokens, S cache slots, C hidden size, V vocab, R reduced draft vocab,
+J unrolled draft steps (EAGLE-3's training-time test).
+"""
+import argparse
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from model import KVCache, Llama
+from kernels import attention_mask
+
+SHARD_LINES = 256            # data lines per feature shard: the unit of resumption
+
+
+# ---------------------------------------------------------------- data
+
+def read_conversations(path: str) -> list:
+    """JSONL -> [(user text, assistant text or None)]: `messages` pairs, or `prompt` alone (the
+    target then writes the answer itself). A bad line names its number."""
+    rows = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                if "prompt" in row:
+                    rows.append((str(row["prompt"]), None))
+                    continue
+                turns = {m["role"]: m["content"] for m in row["messages"]}
+                rows.append((turns["user"], turns["assistant"]))
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{number}: expected 'prompt' or 'messages' with a user "
+                                 f"and an assistant turn ({e!r})") from None
+    if not rows:
+        raise ValueError(f"{path}: no training lines")
+    return rows
+
+
+# ---------------------------------------------------------------- the target writes and reads
+
+@torch.inference_mode()
+def teacher_forced(target: Llama, seqs: list) -> list:
+    """Run full sequences (right-padded: causal attention never looks right) -> hidden (L_i, C)."""
+    L = max(len(s) for s in seqs)
+    ids = torch.tensor([s + [0] * (L - len(s)) for s in seqs])            # (B, L)
+    cache = target.new_cache(len(seqs), L)
+    _, hidden = target(ids, torch.arange(L)[None], cache, last_only=True)  # (B, L, C)
+    return [hidden[b, :len(s)].clone() for b, s in enumerate(seqs)]
+
+
+@torch.inference_mode()
+def batched_greedy(target: Llama, prompts: list, max_new: int, stop_ids) -> list:
+    """Greedy answers for a batch of prompts -> [(tokens, hidden (len(tokens) - 1, C))].
+
+    Prompts are left-padded; each row masks its padding and counts positions from its first real
+    token, so every row decodes exactly as it would alone. Rows that finished leave the batch."""
+    B, P = len(prompts), max(len(p) for p in prompts)
+    pad = torch.tensor([P - len(p) for p in prompts])                      # (B,)
+    ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts])          # (B, P)
+    cache = target.new_cache(B, P + max_new)
+    valid = torch.arange(P + max_new)[None] >= pad[:, None]                # (B, S) real slots
+    causal = torch.ones(P, P, dtype=torch.bool).tril()
+    # padding sees itself only: a query row that sees nothing would give NaN, and 0 * NaN
+    # in a later attention product is still NaN
+    mask = ((causal[None] & valid[:, None, :P]) | torch.eye(P, dtype=torch.bool))[:, None]
+    pos = (torch.arange(P)[None] - pad[:, None]).clamp(min=0)              # (B, P)
+    logits, hidden = target(ids, pos, cache, mask, last_only=True)
+    tokens = [list(p) for p in prompts]
+    feats = [[hidden[b, P - len(p):]] for b, p in enumerate(prompts)]
+    alive = torch.arange(B)                                                # rows still writing
+    for step in range(max_new):
+        nxt = logits[:, -1].argmax(-1)                                     # (b,)
+        for b, t in zip(alive.tolist(), nxt.tolist()):
+            tokens[b].append(t)
+        going = torch.tensor([t not in stop_ids for t in nxt.tolist()])
+        if step == max_new - 1 or not going.any():
+            break
+        if not going.all():                                                # drop finished rows
+            keep = going.nonzero().squeeze(1)
+            alive, nxt, pad, valid = alive[keep], nxt[keep], pad[keep], valid[keep]
+            cache = KVCache(cache.k[:, keep], cache.v[:, keep], cache.length)
+        start = cache.length
+        mask = valid[:, None, None, :start + 1]                            # (b, 1, 1, start + 1)
+        pos = (start - pad)[:, None]                                       # (b, 1)
+        logits, hidden = target(nxt[:, None], pos, cache, mask)
+        for i, b in enumerate(alive.tolist()):
+            feats[b].append(hidden[i])
+    return [(tokens[b], torch.cat(feats[b])) for b in range(B)]
+
+
+def save_shard(path: str, tokens: list, hidden: list, prompt_lens: list) -> None:
+    """One shard: flat tokens and 16-bit hidden states with offsets; written atomically."""
+    from safetensors.torch import save_file
+    lengths = torch.tensor([len(t) for t in tokens])
+    tensors = {"tokens": torch.tensor([t for s in tokens for t in s], dtype=torch.int32),
+               "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+               "prompt_lens": torch.tensor(prompt_lens),
+               # hidden state of every token but each sequence's last (never fed to the target)
+               "hidden": torch.cat([h[:len(t) - 1] for t, h in zip(tokens, hidden)]).bfloat16()}
+    save_file(tensors, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def extract_features(target: Llama, tokenizer, rows: list, out: str, batch: int,
+                     max_new: int, max_prompt: int) -> None:
+    """Write FEATURES/shard_*.safetensors; shards already there are kept (resumption)."""
+    os.makedirs(out, exist_ok=True)
+    shards = range(0, len(rows), SHARD_LINES)
+    todo = [s for s in shards if not os.path.exists(f"{out}/shard_{s // SHARD_LINES:05d}.safetensors")]
+    bar = tqdm(total=len(todo) * SHARD_LINES, desc="features", unit="conv", smoothing=0.05)
+    for s in todo:
+        tokens, hidden, prompt_lens = [], [], []
+        encoded = [(tokenizer.chat_prompt(u), a) for u, a in rows[s:s + SHARD_LINES]]
+        encoded = [(p, a) for p, a in encoded if len(p) <= max_prompt]
+        # similar lengths share a batch; prompt-only lines and full conversations never mix
+        encoded.sort(key=lambda pa: (pa[1] is not None, len(pa[0])))
+        batches = [encoded[i:i + batch] for i in range(0, len(encoded), batch)]
+        batches = [[x for x in part if (x[1] is None) == kind] for part in batches
+                   for kind in (True, False)]
+        for part in filter(None, batches):
+            if part[0][1] is None:
+                done = batched_greedy(target, [p for p, _ in part], max_new, tokenizer.stop_ids)
+            else:
+                seqs = [p + tokenizer.encode(a)[:max_new] + [tokenizer.stop_ids[0]] for p, a in part]
+                done = list(zip(seqs, teacher_forced(target, seqs)))
+            for (p, _), (t, h) in zip(part, done):
+                tokens.append(t), hidden.append(h), prompt_lens.append(len(p))
+            bar.update(len(part))
+            bar.set_postfix(tokens=sum(map(len, tokens)))
+        save_shard(f"{out}/shard_{s // SHARD_LINES:05d}.safetensors", tokens, hidden, prompt_lens)
+    bar.close()
+
+
+# ---------------------------------------------------------------- training data from the shards
+
+@dataclass
+class Seq:
+    tokens: torch.Tensor     # (n,) long: prompt and answer
+    hidden: torch.Tensor     # (n - 1, C) 16-bit: the target's final feature of every token but the last
+    prompt_len: int
+
+
+def load_features(folder: str) -> list:
+    from safetensors.torch import load_file
+    names = sorted(f for f in os.listdir(folder) if f.startswith("shard_") and f.endswith(".safetensors"))
+    if not names:
+        raise ValueError(f"{folder}: no feature shards; run with --stage features first")
+    seqs = []
+    for name in names:
+        t = load_file(os.path.join(folder, name))
+        off, hoff = t["offsets"].tolist(), 0
+        for i, p in enumerate(t["prompt_lens"].tolist()):
+            n = off[i + 1] - off[i]
+            seqs.append(Seq(t["tokens"][off[i]:off[i + 1]].long(), t["hidden"][hoff:hoff + n - 1], p))
+            hoff += n - 1
+    return seqs
+
+
+def draft_vocabulary(seqs: list, size: int, always=()) -> torch.Tensor:
+    """(R,) sorted target ids: the `size` most frequent answer tokens (stop tokens always in)."""
+    counts = torch.zeros(int(max(int(s.tokens.max()) for s in seqs)) + 1)
+    for s in seqs:
+        counts += torch.bincount(s.tokens[s.prompt_len:], minlength=counts.shape[0])
+    counts[list(always)] = float("inf")
+    return counts.topk(min(size, int((counts > 0).sum()))).indices.sort().values
+
+
+@dataclass
+class Batch:
+    feats: torch.Tensor      # (B, L, C) target feature at entry i
+    next_tok: torch.Tensor   # (B, L) token i + 1, the token entry i reads
+    target: torch.Tensor     # (B, L, C) target feature at i + 1, what entry i predicts
+    loss_mask: torch.Tensor  # (B, L) bool: i + 1 has a feature and token i + 2 is an answer token
+
+
+def make_batch(seqs: list) -> Batch:
+    L = max(len(s.hidden) for s in seqs)
+    C = seqs[0].hidden.shape[1]
+    b = Batch(torch.zeros(len(seqs), L, C), torch.zeros(len(seqs), L, dtype=torch.long),
+              torch.zeros(len(seqs), L, C), torch.zeros(len(seqs), L, dtype=torch.bool))
+    for r, s in enumerate(seqs):
+        n = len(s.hidden)
+        b.feats[r, :n] = s.hidden.float()
+        b.next_tok[r, :n] = s.tokens[1:]
+        b.target[r, :n - 1] = s.hidden[1:].float()
+        b.loss_mask[r, max(s.prompt_len - 2, 0):n - 1] = True
+    return b
+
+
+def batches(seqs: list, tokens_per_batch: int, generator) -> list:
+    """Similar lengths together (little padding), in a random order."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].hidden))
+    out, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * len(seqs[i].hidden) > tokens_per_batch:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    out.append(cur)
+    return [out[i] for i in torch.randperm(len(out), generator=generator).tolist()]
+
+
+# ---------------------------------------------------------------- losses
+
+def greedy_labels(target_feats, proj) -> torch.Tensor:
+    """(n, C) target features -> (n,) index into the draft vocab of the target's greedy token.
+
+    Hard labels: at temperature 0 acceptance only asks the head to rank the target's argmax
+    first, and the target's argmax over the draft vocab costs one matmul per batch, where a soft
+    cross-entropy costs a softmax over (n, R) at every unrolled step (measured 2x slower)."""
+    return (target_feats @ proj.T).argmax(-1)
+
+
+def ttt_mask(L: int, j: int) -> torch.Tensor:
+    """(L, (j + 1) L) bool for unrolled step j (EAGLE-3's training-time test).
+
+    Entry i at step j drafts depth j + 1 from the root at i - j: it sees the true entries up to
+    i - j and, at each step m = 1..j, the entry of its own path at i - j + m (the one it extends),
+    exactly what a tree node sees in the head's cache at inference."""
+    i = torch.arange(L)[:, None]
+    s = torch.arange(L)[None, :]
+    parts = [s <= i - j] + [s == i - j + m for m in range(1, j + 1)]
+    return torch.cat(parts, dim=1)
+
+
+def eagle_unroll(head, embed, b: Batch, steps: int) -> list:
+    """The head's outputs (B, L, C) at each of `steps` unrolled drafting steps."""
+    B, L, C = b.feats.shape
+    embeds = embed(b.next_tok)                                         # (B, L, C)
+    pos = torch.arange(L)[None].expand(B, L)
+    cache, feats, outs = head.new_cache(0, B), b.feats, []
+    for j in range(steps):
+        cache = KVCache(widen(cache.k, L), widen(cache.v, L), j * L)    # fresh tensors: autograd
+        outs.append(head(feats, embeds, pos, cache, ttt_mask(L, j)))    # (B, L, C)
+        feats = torch.cat([torch.zeros_like(feats[:, :1]), outs[-1][:, :-1]], dim=1)  # g_{i-1}
+    return outs
+
+
+def widen(x: torch.Tensor, L: int) -> torch.Tensor:
+    """(1, B, K, S, D) -> (1, B, K, S + L, D), the new slots zero."""
+    return torch.cat([x, x.new_zeros(*x.shape[:3], L, x.shape[4])], dim=3)
+
+
+def eagle_loss(head, embed, proj, b: Batch, steps: int, feature_weight: float) -> tuple:
+    """Cross-entropy (+ smooth L1 on the feature) at every unrolled step; -> (loss, [ce])."""
+    labels = torch.zeros(b.loss_mask.shape, dtype=torch.long)
+    labels[b.loss_mask] = greedy_labels(b.target[b.loss_mask], proj)    # (B, L)
+    total, ces = 0.0, []
+    for j, out in enumerate(eagle_unroll(head, embed, b, steps)):
+        mask = b.loss_mask.clone()
+        mask[:, :j] = False                                            # no root before the start
+        out = out[mask]                                                # (n, C): loss rows only
+        ce = torch.nn.functional.cross_entropy((out @ proj.T).float(), labels[mask])
+        fl = torch.nn.functional.smooth_l1_loss(out.float(), b.target[mask])
+        total, ces = total + ce + feature_weight * fl, ces + [float(ce.detach())]
+    return total / steps, ces
+
+
+def medusa_loss(heads, proj, b: Batch) -> tuple:
+    """Head m on the feature at i predicts token i + 2 + m, the target's greedy token there."""
+    out = heads(b.feats)                                               # (B, L, M, C)
+    labels = torch.zeros(b.loss_mask.shape, dtype=torch.long)
+    labels[b.loss_mask] = greedy_labels(b.target[b.loss_mask], proj)    # (B, L): token i + 2
+    total, ces = 0.0, []
+    for m in range(out.shape[2]):
+        L = b.feats.shape[1] - m
+        mask = b.loss_mask[:, m:]                                      # token i + 2 + m is known
+        logits = (out[:, :L, m][mask] @ proj.T).float()
+        ce = torch.nn.functional.cross_entropy(logits, labels[:, m:][mask])
+        total, ces = total + ce, ces + [float(ce.detach())]
+    return total / out.shape[2], ces
+
+
+# ---------------------------------------------------------------- the training loop
+
+@dataclass
+class TrainConfig:
+    epochs: float = 1.0            # passes over the training sequences
+    minutes: float = 0.0           # stop (and save) after this wall time; 0: no limit
+    lr: float = 1e-3
+    tokens_per_batch: int = 4096   # padded tokens per optimizer step
+    steps: int = 4                 # EAGLE: unrolled drafting steps (training-time test)
+    feature_weight: float = 0.1    # EAGLE: weight of the smooth-L1 feature loss
+    bf16: bool = True              # autocast matmuls to bfloat16 (about 2x faster on these CPUs)
+    seed: int = 0
+
+
+def train(head, loss_fn, seqs: list, tc: TrainConfig, out: str) -> dict:
+    """AdamW, linear warm-up and decay; resumes from OUT/checkpoint.pt; -> training record."""
+    g = torch.Generator().manual_seed(tc.seed)
+    per_epoch = len(batches(seqs, tc.tokens_per_batch, g))
+    total = max(int(per_epoch * tc.epochs), 1)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=tc.lr)
+    warm = min(100, total // 10 + 1)
+    state = {"step": 0, "seconds": 0.0, "losses": []}
+    os.makedirs(out, exist_ok=True)
+    ckpt = os.path.join(out, "checkpoint.pt")
+    if os.path.exists(ckpt):
+        saved = torch.load(ckpt, weights_only=False)
+        head.load_state_dict(saved["head"]), opt.load_state_dict(saved["opt"])
+        state.update(saved["state"])
+        print(f"resumed at step {state['step']} of {total}")
+    t0, last_save = time.time() - state["seconds"], time.time()
+    bar = tqdm(total=total, initial=state["step"], desc="train", unit="step")
+    while state["step"] < total:
+        # linear warm-up, then linear decay to 5% over the steps or the time limit, whichever
+        # comes first: a CPU run cut short by --minutes still ends at a low learning rate
+        done = max(state["step"] / total, state["seconds"] / (tc.minutes * 60) if tc.minutes else 0)
+        for group in opt.param_groups:
+            group["lr"] = tc.lr * min((state["step"] + 1) / warm, max(0.05, 1 - done))
+        epoch, index = divmod(state["step"], per_epoch)
+        order = batches(seqs, tc.tokens_per_batch, torch.Generator().manual_seed(tc.seed + epoch))
+        with torch.autocast("cpu", torch.bfloat16, enabled=tc.bf16):
+            loss, ces = loss_fn(make_batch([seqs[i] for i in order[index]]))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step(), opt.zero_grad()
+        state["step"] += 1
+        state["seconds"] = time.time() - t0
+        state["losses"].append([round(c, 4) for c in ces])
+        bar.update(1)
+        bar.set_postfix(ce=" ".join(f"{c:.2f}" for c in ces))
+        over = tc.minutes and state["seconds"] > tc.minutes * 60
+        if over or state["step"] == total or time.time() - last_save > 300:
+            save_checkpoint(ckpt, head, opt, state)
+            last_save = time.time()
+        if over:
+            print(f"time limit: stopped at step {state['step']} of {total}")
+            break
+    bar.close()
+    return state | {"total_steps": total}
+
+
+def save_checkpoint(path, head, opt, state) -> None:
+    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "state": state}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+# ---------------------------------------------------------------- measuring the result
+
+@torch.inference_mode()
+def measure_tau(target, proposer, seqs: list, max_new: int, stop_ids) -> float:
+    """Tokens per target forward of the real decoding loop on held-out prompts."""
+    from spec import GenConfig, generate_spec
+    new = forwards = 0
+    for s in tqdm(seqs, desc="tau", unit="prompt"):
+        r = generate_spec(target, proposer, s.tokens[:s.prompt_len].tolist(), GenConfig(max_new),
+                          stop_ids)
+        new, forwards = new + len(r.token_ids), forwards + r.target_forwards
+    return new / max(forwards, 1)
+
+
+@torch.no_grad()
+def accuracy_table(target, head, kind: str, seqs: list, depth: int, ranks: int = 10) -> list:
+    """[depth][rank]: how often the target's greedy token is the head's rank-r candidate at
+    that depth, the path so far being right (teacher-forced): what best_paths needs."""
+    hits, count = torch.zeros(depth, ranks), 0
+    proj = head_projection(target, head)                                   # (R, C)
+    for i in range(0, len(seqs), 16):
+        b = make_batch(seqs[i:i + 16])
+        label = target.lm_head(b.target.to(target.lm_head.weight.dtype)).argmax(-1)   # (B, L)
+        if kind == "eagle":
+            outs = [o for o in eagle_unroll(head, target.embed, b, depth)]
+        else:
+            feats = head(b.feats.to(target.lm_head.weight.dtype))                    # (B, L, M, C)
+            outs = [feats[:, :, m] for m in range(feats.shape[2])]
+        for d, out in enumerate(outs[:depth]):
+            shift = d if kind == "medusa" else 0
+            L = b.feats.shape[1] - shift
+            mask = b.loss_mask[:, shift:].clone()
+            if kind == "eagle":
+                mask[:, :d] = False
+            logits = out[:, :L].float() @ proj.T                                  # (B, L, R)
+            lab = label[:, shift:]
+            where = torch.searchsorted(head.vocab_ids, lab).clamp(max=len(head.vocab_ids) - 1)
+            inside = head.vocab_ids[where] == lab
+            mine = logits.gather(-1, where[..., None]).squeeze(-1)
+            rank = (logits > mine[..., None]).sum(-1)                             # (B, L)
+            ok = mask & inside
+            hits[d] += torch.bincount(rank[ok].clamp(max=ranks), minlength=ranks + 1)[:ranks]
+            if d == 0:
+                count += int(mask.sum())
+    # teacher-forced: each depth is measured with the path before it right, as best_paths assumes
+    return (hits / max(count, 1)).tolist()
+
+
+def head_projection(target, head) -> torch.Tensor:
+    from heads import projection
+    return projection(target, head.vocab_ids).float()
+
+
+# ---------------------------------------------------------------- command line
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = TrainConfig()
+    p.add_argument("--method", choices=["eagle", "medusa"], required=True,
+                   help="what to train: the EAGLE head (used by spec.py --method eagle and "
+                        "eagle2) or Medusa heads")
+    p.add_argument("--data", required=True,
+                   help="JSONL with `prompt` (the target writes the answer) or `messages`")
+    p.add_argument("--out", required=True, help="folder for the trained weights")
+    p.add_argument("--model", help="target HF folder (default: the embedded default model)")
+    p.add_argument("--cache-dir", help="where the default model lives (default ~/.cache/spec-decode)")
+    p.add_argument("--features", help="feature cache folder (default: beside the target model, "
+                                      "named after the data file)")
+    p.add_argument("--stage", choices=["features", "train", "all"], default="all",
+                   help="stop after feature extraction, or only train from existing features")
+    p.add_argument("--limit", type=int, default=0, help="use the first N data lines (0: all)")
+    p.add_argument("--batch", type=int, default=64, help="sequences per target forward")
+    p.add_argument("--max-new-tokens", type=int, default=192,
+                   help="longest answer the target writes (or that is kept of a dataset answer)")
+    p.add_argument("--max-prompt-tokens", type=int, default=384, help="skip longer prompts")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="R: the heads predict over the R most frequent answer tokens")
+    p.add_argument("--heads", type=int, default=4, help="Medusa: number of heads")
+    p.add_argument("--held-out", type=int, default=128,
+                   help="sequences kept out of training to measure accuracy and tau")
+    p.add_argument("--tau-prompts", type=int, default=10, help="held-out prompts decoded for tau")
+    p.add_argument("--epochs", type=float, default=d.epochs, help="passes over the training data")
+    p.add_argument("--minutes", type=float, default=d.minutes,
+                   help="stop training after this many minutes (0: no limit); rerun to resume")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    p.add_argument("--tokens-per-batch", type=int, default=d.tokens_per_batch,
+                   help="padded tokens per optimizer step")
+    p.add_argument("--steps", type=int, default=d.steps,
+                   help="EAGLE: drafting steps unrolled in training (EAGLE-3's training-time test)")
+    p.add_argument("--feature-weight", type=float, default=d.feature_weight,
+                   help="EAGLE: weight of the feature regression loss")
+    p.add_argument("--seed", type=int, default=d.seed, help="shuffling and initialization seed")
+    return p.parse_args(argv)
+
+
+def default_features_dir(args) -> str:
+    from default_model import default_model_path
+    root = os.path.dirname(args.model.rstrip("/")) if args.model else \
+        os.path.dirname(default_model_path(args.cache_dir))
+    name = os.path.splitext(os.path.basename(args.data))[0]
+    return os.path.join(root, f"features-{name}")
+
+
+def main(argv=None):
+    from default_model import default_model_path
+    from model import load_model
+    from tokenizer import load_tokenizer
+    args = parse_args(argv)
+    model_path = args.model or default_model_path(args.cache_dir)
+    features = args.features or default_features_dir(args)
+    tokenizer = load_tokenizer(model_path)
+    if args.stage in ("features", "all"):
+        rows = read_conversations(args.data)
+        rows = rows[:args.limit] if args.limit else rows
+        extract_features(load_model(model_path, torch.bfloat16), tokenizer, rows, features,
+                         args.batch, args.max_new_tokens, args.max_prompt_tokens)
+    if args.stage in ("train", "all"):
+        train_and_save(args, model_path, features, tokenizer)
+
+
+def train_and_save(args, model_path: str, features: str, tokenizer) -> None:
+    from heads import HeadConfig, build_head, eagle_layer_config, projection, save_head
+    from model import load_model
+    torch.manual_seed(args.seed)
+    target = load_model(model_path, torch.float32).requires_grad_(False)
+    seqs = load_features(features)
+    if len(seqs) <= args.held_out:
+        raise ValueError(f"{len(seqs)} sequences in {features}: need more than --held-out "
+                         f"{args.held_out}")
+    train_seqs, held = seqs[:-args.held_out], seqs[-args.held_out:]
+    os.makedirs(args.out, exist_ok=True)
+    ckpt = os.path.join(args.out, "checkpoint.pt")
+    vocab = (torch.load(ckpt, weights_only=False)["head"]["vocab_ids"] if os.path.exists(ckpt)
+             else draft_vocabulary(train_seqs, args.draft_vocab, tokenizer.stop_ids))
+    c = target.config
+    config = HeadConfig(args.method, c.hidden_size, c.vocab_size, len(vocab), args.heads,
+                        eagle_layer_config(c) if args.method == "eagle" else {})
+    head = build_head(config, vocab)
+    proj = projection(target, vocab)                                       # (R, C)
+    tc = TrainConfig(epochs=args.epochs, minutes=args.minutes, lr=args.lr,
+                     tokens_per_batch=args.tokens_per_batch, steps=args.steps,
+                     feature_weight=args.feature_weight, seed=args.seed)
+    if args.method == "eagle":
+        def loss_fn(b):
+            return eagle_loss(head, target.embed, proj, b, tc.steps, tc.feature_weight)
+    else:
+        def loss_fn(b):
+            return medusa_loss(head, proj, b)
+    record = train(head, loss_fn, train_seqs, tc, args.out)
+    head.eval()
+    depth = max(tc.steps, 6) if args.method == "eagle" else args.heads
+    config.accuracy = [[round(a, 4) for a in row]
+                       for row in accuracy_table(target, head, args.method, held, depth)]
+    tau = held_out_tau(args, target, head, config, held, tokenizer)
+    info = {"method": args.method, "data": os.path.abspath(args.data), "features": features,
+            "train_sequences": len(train_seqs), "held_out_sequences": len(held),
+            "train_tokens": sum(len(s.tokens) for s in train_seqs),
+            "config": vars(args), "steps": record["step"], "total_steps": record["total_steps"],
+            "wall_seconds": round(record["seconds"]),
+            "final_ce": [round(sum(x) / len(x), 4) for x in zip(*record["losses"][-50:])],
+            "accuracy_depth_rank": config.accuracy, "held_out_tau": tau, "commit": git_commit()}
+    save_head(head, config, args.out, info)
+    print(json.dumps({k: info[k] for k in ("steps", "wall_seconds", "final_ce", "held_out_tau")}))
+
+
+def held_out_tau(args, target, head, config, held: list, tokenizer) -> dict:
+    """tau of the real decoding loop (float32 target) on the first held-out prompts."""
+    from heads import best_paths
+    from proposers import DraftConfig, EagleProposer, MedusaProposer
+    from tree import static_tree
+    seqs = held[:args.tau_prompts]
+    if args.method == "medusa":
+        proposer = MedusaProposer(target, head, static_tree(best_paths(config.accuracy, 16)))
+        return {"medusa_16": round(measure_tau(target, proposer, seqs, 64, tokenizer.stop_ids), 3)}
+    eagle2 = EagleProposer(target, head, DraftConfig(5, 4, 16), 512)
+    chain = EagleProposer(target, head, DraftConfig(5, 1), 512)
+    return {"eagle2_d5_k4_16": round(measure_tau(target, eagle2, seqs, 64, tokenizer.stop_ids), 3),
+            "chain_5": round(measure_tau(target, chain, seqs, 64, tokenizer.stop_ids), 3)}
+
+
+def git_commit() -> str:
+    import subprocess
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except OSError:
+        return ""
+
+
+if __name__ == "__main__":
+    main()
