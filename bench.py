@@ -31,24 +31,29 @@ class Record:
     accepted: list = field(default_factory=list)    # per step: drafted tokens accepted
 
 
-def read_bench(path: str, limit: int = 0, categories: str | None = None) -> list:
-    """JSONL lines {prompt} or {turns: [...]}, optional {category, question_id|id}."""
+def read_bench(path: str, limit: int = 0, categories: str | None = None,
+               per_category: int = 0) -> list:
+    """JSONL lines {prompt} or {turns: [...]}, optional {category, question_id|id}; the first
+    `per_category` of each category (0: all), at most `limit` in all (0: all)."""
     wanted = set(categories.split(",")) if categories else None
-    prompts = []
+    prompts, seen = [], {}
     with open(path) as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-                turns = [row["prompt"]] if "prompt" in row else list(row["turns"])
-                if not turns or not all(isinstance(t, str) for t in turns):
+                turns = [row["prompt"]] if "prompt" in row else row["turns"]
+                if not isinstance(turns, list) or not turns or \
+                        not all(isinstance(t, str) for t in turns):
                     raise TypeError("turns must be a non-empty list of strings")
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{number}: expected a JSON object with 'prompt' (a "
                                  f"string) or 'turns' (a list of strings): {e}") from None
             category = str(row.get("category", "all"))
-            if wanted is None or category in wanted:
+            seen[category] = seen.get(category, 0) + 1
+            if (wanted is None or category in wanted) and \
+                    (not per_category or seen[category] <= per_category):
                 prompts.append(BenchPrompt(str(row.get("question_id", row.get("id", number))),
                                            category, turns))
             if limit and len(prompts) == limit:
@@ -122,7 +127,7 @@ def run_bench(args, build) -> dict:
     methods = args.methods.split(",")
     if methods[0] != "ar":
         methods = ["ar"] + [m for m in methods if m != "ar"]     # the baseline runs first
-    prompts = read_bench(args.bench, args.limit, args.categories)
+    prompts = read_bench(args.bench, args.limit, args.categories, args.per_category)
     decoders, extra_mb = {}, {}
     for m in methods:
         decoders[m], extra_mb[m] = build(m, target, tokenizer)

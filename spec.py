@@ -21,8 +21,8 @@ from tree import ancestor_mask, positions, retrieve_indices
 DEFAULT_PROMPT = "What is the capital of France?"
 METHODS = ["ar", "draft", "ngram", "medusa", "eagle", "eagle2"]
 # (depth, top-k, tree size) per method, chosen by measurement on the default model (README)
-TREE_DEFAULTS = {"draft": (4, 1, 0), "ngram": (4, 1, 0), "medusa": (4, 1, 16),
-                 "eagle": (6, 1, 16), "eagle2": (5, 4, 16)}
+TREE_DEFAULTS = {"draft": (4, 1, 0), "ngram": (4, 1, 0), "medusa": (4, 1, 8),
+                 "eagle": (5, 1, 8), "eagle2": (4, 4, 8)}
 WEIGHTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights")
 
 
@@ -105,7 +105,7 @@ def verify(logits, tree, mask, q, gen: GenConfig, generator) -> tuple:
 
 @torch.inference_mode()
 def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(),
-                  on_tokens=None) -> Result:
+                  on_tokens=None, on_step=None) -> Result:
     """Speculative decoding: prefill, then loop { propose, verify, accept, commit cache }."""
     device = target.embed.weight.device
     generator = torch.Generator(device).manual_seed(gen.seed)
@@ -136,6 +136,8 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
         done = take(result, new, stop_ids, gen.max_new_tokens)
         if on_tokens:
             on_tokens(new, [True] * (len(new) - 1) + [False])
+        if on_step:                                  # --show-tree
+            on_step(tree, accepted.tolist(), root)
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -287,7 +289,8 @@ def parse_args(argv=None):
                         "model, dtype and prompts, in one run, and print the ratio")
     p.add_argument("--prompts", help="JSONL prompts for --compare-hf: {prompt} or {turns: [...]} "
                                      "(first turn used); default: a few built-in prompts")
-    p.add_argument("--limit", type=int, default=10, help="prompts used from --prompts")
+    p.add_argument("--limit", type=int, default=10,
+                   help="prompts used from --prompts or --bench (0: all)")
     p.add_argument("--verify-curve", action="store_true",
                    help="print the cost of one target forward over k new tokens, k = 1..64, "
                         "relative to k = 1: where verifying a tree stops being free")
@@ -297,8 +300,13 @@ def parse_args(argv=None):
     p.add_argument("--methods", default="ar,ngram,medusa,eagle,eagle2",
                    help="comma-separated methods for --bench; ar always runs as the baseline")
     p.add_argument("--categories", help="comma-separated categories for --bench (default: all)")
+    p.add_argument("--per-category", type=int, default=0,
+                   help="--bench: the first N prompts of each category (0: all)")
     p.add_argument("--ngram-max", type=int, default=3,
                    help="prompt lookup: longest n-gram matched against the context")
+    p.add_argument("--show-tree", action="store_true",
+                   help="after each step, draw the draft tree (tokens, cumulative probability, "
+                        "* on the accepted path, -> the target's own next token) on stderr")
     p.add_argument("--show-drafts", action="store_true",
                    help="mark tokens that came from accepted drafts while streaming")
     args = p.parse_args(argv)
@@ -348,7 +356,13 @@ def run(args) -> dict:
         slots = check_room(target, prompt_ids, gen, args.num_speculative_tokens * args.draft_top_k
                            + args.tree_size + 1)
         proposer, info = build_proposer(args, target, tokenizer, slots)
-        result = generate_spec(target, proposer, prompt_ids, gen, tokenizer.stop_ids, stream)
+        show = None
+        if args.show_tree:
+            from tree import render_tree
+            def show(tree, accepted, bonus):
+                text = render_tree(tree, lambda t: tokenizer.decode([t]), accepted, bonus)
+                print(f"\n{text}", file=sys.stderr)
+        result = generate_spec(target, proposer, prompt_ids, gen, tokenizer.stop_ids, stream, show)
     text_ids = [t for t in result.token_ids if t not in tokenizer.stop_ids]
     report = {"method": args.method, "model_path": os.path.abspath(path), "dtype": args.dtype,
               "device": args.device, "prompt_ids": prompt_ids, "token_ids": result.token_ids,

@@ -210,6 +210,7 @@ def test_bench_reads_both_formats_and_names_bad_lines(tmp_path):
     got = read_bench(str(f))
     assert [(p.id, p.category, p.turns) for p in got] == [("1", "a", ["hi"]), ("81", "b", ["one", "two"])]
     assert [p.id for p in read_bench(str(f), categories="b")] == ["81"]
+    assert [p.id for p in read_bench(str(f), per_category=1, limit=1)] == ["1"]
     f.write_text('{"prompt": "hi"}\n{"turns": "not a list"}\n')
     with pytest.raises(ValueError, match=r"p.jsonl:2: expected a JSON object"):
         read_bench(str(f))
@@ -259,7 +260,7 @@ def test_shipped_heads_equal_plain_greedy_on_default_model_in_float32(default_ta
         out = generate_spec(target, proposer, ids, gen, tokenizer.stop_ids)
         assert out.token_ids == plain, f"{method}: {prompt}"
         taus.append(out.tau)
-    assert min(taus) > 1.3, f"trained {method} heads should be accepted often, tau {taus}"
+    assert min(taus) > 1.15, f"trained {method} heads should be accepted (untrained: ~1.0), tau {taus}"
 
 
 def test_training_time_test_unroll_equals_drafting_at_inference():
@@ -284,3 +285,17 @@ def test_training_time_test_unroll_equals_drafting_at_inference():
                 out = head(out[None, None], target.embed(tokens[root + m + 1]).view(1, 1, -1),
                            torch.tensor([[root + m]]), cache)[0, -1]
             assert torch.allclose(out, outs[j][0, i], rtol=0, atol=1e-10), f"step {j}, entry {i}"
+
+
+def test_show_tree_renders_a_known_tree():
+    from tree import make_tree, render_tree
+    tree = make_tree([10, 11, 12, 13, 14], [-1, 0, 0, 1, 1],
+                     torch.tensor([0.0, -0.1, -2.0, -0.5, -3.0]))
+    text = render_tree(tree, lambda t: chr(ord("a") + t - 10), [0, 1, 3], 15)
+    assert text == ("'a' (root)\n"
+                    "|-- 'b' 0.90 *\n"
+                    "|   |-- 'd' 0.61 *  -> 'f'\n"
+                    "|   `-- 'e' 0.05\n"
+                    "`-- 'c' 0.14"), text
+    nothing = render_tree(tree, lambda t: chr(ord("a") + t - 10), [0], 15)
+    assert nothing.endswith("nothing accepted  -> 'f'") and "*" not in nothing

@@ -1,6 +1,6 @@
-"""Train draft heads (EAGLE, Medusa) and a distilled draft model on the target's own outputs.
+"""Train draft heads (EAGLE, Medusa) on the target's own outputs.
 
-    python train_heads.py --method eagle --data prompts.jsonl --out weights/eagle
+    python train_heads.py --method eagle --data prompts.jsonl --out weights/smollm2-135m-eagle
 
 Two stages, both resumable:
   1. features: the target reads (or, for prompt-only lines, first writes) each conversation; its
@@ -22,7 +22,6 @@ import torch
 from tqdm import tqdm
 
 from model import KVCache, Llama
-from kernels import attention_mask
 
 SHARD_LINES = 256            # data lines per feature shard: the unit of resumption
 
@@ -542,4 +541,7 @@ def git_commit() -> str:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, OSError) as e:       # bad data, a missing file, a head that does not fit
+        raise SystemExit(f"error: {e}")

@@ -139,3 +139,29 @@ def subtree(tree: Tree, kept: torch.Tensor) -> Tree:
     parents = tree.parents[kept]
     parents = torch.where(parents >= 0, new_index[parents.clamp(min=0)], parents)
     return Tree(tree.tokens[kept], parents, tree.depths[kept], tree.scores[kept])
+
+
+def render_tree(tree: Tree, label, accepted, bonus: int) -> str:
+    """The tree as indented text: label(token id) -> str, probability exp(score) where scored,
+    `*` on the accepted path, and the target's own next token after the last accepted node."""
+    on_path = set(accepted)
+    children = {}
+    for i in range(1, tree.size):
+        children.setdefault(int(tree.parents[i]), []).append(i)
+    lines = [f"{label(int(tree.tokens[0]))!r} (root)"]
+
+    def walk(node, prefix):
+        kids = children.get(node, [])
+        for n, c in enumerate(kids):
+            last = n == len(kids) - 1
+            p = f" {float(tree.scores[c].exp()):.2f}" if float(tree.scores[c]) != 0 else ""
+            mark = " *" if c in on_path else ""
+            tail = f"  -> {label(bonus)!r}" if c == accepted[-1] and len(accepted) > 1 else ""
+            lines.append(f"{prefix}{'`-- ' if last else '|-- '}{label(int(tree.tokens[c]))!r}"
+                         f"{p}{mark}{tail}")
+            walk(c, prefix + ("    " if last else "|   "))
+
+    walk(0, "")
+    if len(accepted) == 1:
+        lines.append(f"nothing accepted  -> {label(bonus)!r}")
+    return "\n".join(lines)
