@@ -4,12 +4,13 @@ Every method decodes the same prompts in the same order in one process, interlea
 prompt, after a warm-up, so every speedup is a ratio of times measured side by side. Multi-turn
 prompts (Spec-Bench's `turns`) continue each method's own conversation.
 """
-import json
 import sys
 from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
+
+from spec import jsonl_rows
 
 
 @dataclass
@@ -37,27 +38,23 @@ def read_bench(path: str, limit: int = 0, categories: str | None = None,
     `per_category` of each category (0: all), at most `limit` in all (0: all)."""
     wanted = set(categories.split(",")) if categories else None
     prompts, seen = [], {}
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                turns = [row["prompt"]] if "prompt" in row else row["turns"]
-                if not isinstance(turns, list) or not turns or \
-                        not all(isinstance(t, str) for t in turns):
-                    raise TypeError("turns must be a non-empty list of strings")
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{number}: expected a JSON object with 'prompt' (a "
-                                 f"string) or 'turns' (a list of strings): {e}") from None
-            category = str(row.get("category", "all"))
-            seen[category] = seen.get(category, 0) + 1
-            if (wanted is None or category in wanted) and \
-                    (not per_category or seen[category] <= per_category):
-                prompts.append(BenchPrompt(str(row.get("question_id", row.get("id", number))),
-                                           category, turns))
-            if limit and len(prompts) == limit:
-                break
+    for number, row in jsonl_rows(path):
+        try:
+            turns = [row["prompt"]] if "prompt" in row else row["turns"]
+            if not isinstance(turns, list) or not turns or \
+                    not all(isinstance(t, str) for t in turns):
+                raise TypeError("turns must be a non-empty list of strings")
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{number}: expected a JSON object with 'prompt' (a "
+                             f"string) or 'turns' (a list of strings): {e}") from None
+        category = str(row.get("category", "all"))
+        seen[category] = seen.get(category, 0) + 1
+        if (wanted is None or category in wanted) and \
+                (not per_category or seen[category] <= per_category):
+            prompts.append(BenchPrompt(str(row.get("question_id", row.get("id", number))),
+                                       category, turns))
+        if limit and len(prompts) == limit:
+            break
     if not prompts:
         raise ValueError(f"{path}: no prompts" + (f" in categories {categories}" if wanted else ""))
     return prompts

@@ -384,23 +384,22 @@ BUILTIN_PROMPTS = ["What is the capital of France?", "Write a short story about 
 
 
 def read_prompts(path: str | None, limit: int) -> list:
-    """User prompts from JSONL ({prompt} or {turns}); a bad line names its number."""
+    """User prompts (first turns) from a JSONL prompt file, or a few built-in ones."""
     if path is None:
         return BUILTIN_PROMPTS[:limit]
-    prompts = []
+    from bench import read_bench
+    return [p.turns[0] for p in read_bench(path, limit)]
+
+
+def jsonl_rows(path: str):
+    """(line number, object) for each non-empty line; a line that is not JSON names its number."""
     with open(path) as f:
         for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                prompts.append(row["prompt"] if "prompt" in row else row["turns"][0])
-            except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
-                raise ValueError(f"{path}:{number}: not a JSON object with 'prompt' or "
-                                 f"'turns' ({e})") from None
-            if len(prompts) == limit:
-                break
-    return prompts
+            if line.strip():
+                try:
+                    yield number, json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{number}: not JSON ({e})") from None
 
 
 def compare_hf(args) -> dict:

@@ -299,3 +299,17 @@ def test_show_tree_renders_a_known_tree():
                     "`-- 'c' 0.14"), text
     nothing = render_tree(tree, lambda t: chr(ord("a") + t - 10), [0], 15)
     assert nothing.endswith("nothing accepted  -> 'f'") and "*" not in nothing
+
+
+def test_training_data_reads_both_formats_and_names_bad_lines(tmp_path):
+    import train_heads as th
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"prompt": "hi"}\n{"messages": [{"role": "user", "content": "q"}, '
+                 '{"role": "assistant", "content": "a"}]}\n')
+    assert th.read_conversations(str(f)) == [("hi", None), ("q", "a")]
+    f.write_text('{"prompt": "hi"}\n{"messages": [{"role": "user", "content": "q"}]}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:2: expected 'prompt' or 'messages'"):
+        th.read_conversations(str(f))
+    f.write_text('{"prompt": "hi"}\n\n{broken\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:3: not JSON"):
+        th.read_conversations(str(f))

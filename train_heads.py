@@ -31,21 +31,18 @@ SHARD_LINES = 256            # data lines per feature shard: the unit of resumpt
 def read_conversations(path: str) -> list:
     """JSONL -> [(user text, assistant text or None)]: `messages` pairs, or `prompt` alone (the
     target then writes the answer itself). A bad line names its number."""
+    from spec import jsonl_rows
     rows = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
+    for number, row in jsonl_rows(path):
+        try:
+            if "prompt" in row:
+                rows.append((str(row["prompt"]), None))
                 continue
-            try:
-                row = json.loads(line)
-                if "prompt" in row:
-                    rows.append((str(row["prompt"]), None))
-                    continue
-                turns = {m["role"]: m["content"] for m in row["messages"]}
-                rows.append((turns["user"], turns["assistant"]))
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{number}: expected 'prompt' or 'messages' with a user "
-                                 f"and an assistant turn ({e!r})") from None
+            turns = {m["role"]: m["content"] for m in row["messages"]}
+            rows.append((turns["user"], turns["assistant"]))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{number}: expected 'prompt' or 'messages' with a user "
+                             f"and an assistant turn ({e!r})") from None
     if not rows:
         raise ValueError(f"{path}: no training lines")
     return rows
