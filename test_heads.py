@@ -313,3 +313,18 @@ def test_training_data_reads_both_formats_and_names_bad_lines(tmp_path):
     f.write_text('{"prompt": "hi"}\n\n{broken\n')
     with pytest.raises(ValueError, match=r"d.jsonl:3: not JSON"):
         th.read_conversations(str(f))
+
+
+@pytest.mark.parametrize("kind", ["eagle2", "medusa"])
+def test_sampling_with_heads_runs_through_tree_verification_and_is_seeded(kind):
+    target = tiny_model(7)
+    if kind == "medusa":
+        proposer = MedusaProposer(target, random_medusa(target, 3, 7), static_tree(PATHS))
+    else:
+        proposer = EagleProposer(target, random_eagle(target, 7), DraftConfig(3, 3, 6), 256)
+    gen = GenConfig(max_new_tokens=30, temperature=0.9, seed=3)
+    a = generate_spec(target, proposer, [1, 2, 3], gen).token_ids
+    b = generate_spec(target, proposer, [1, 2, 3], gen).token_ids
+    c = generate_spec(target, proposer, [1, 2, 3], GenConfig(30, 0.9, seed=4)).token_ids
+    assert a == b and len(a) == 30, "same seed, same sample"
+    assert a != c, "another seed should give another sample"
