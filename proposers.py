@@ -32,6 +32,11 @@ class DraftConfig:
         if self.total == 0:
             self.total = self.depth * self.top_k
 
+    @property
+    def grown_nodes(self) -> int:
+        """Upper bound on the nodes grow_tree creates (root, k, then k * k per round), plus one."""
+        return 2 + self.depth * self.top_k * self.top_k
+
 
 def truncated_draft(target: Llama, layers: int) -> Llama:
     """A draft made of the target's first `layers` blocks plus its final norm and head.
@@ -94,7 +99,7 @@ class DraftModelProposer:
             return self.sampled_chain(root, gen, generator)
         first = torch.log_softmax(self.feed_pending(root).float(), -1)
         # node index -> draft cache slot, -1 for nodes never fed (leaves of the last round).
-        self.node_slot = torch.full((2 + c.depth * c.top_k * c.top_k,), -1, dtype=torch.long)
+        self.node_slot = torch.full((c.grown_nodes,), -1, dtype=torch.long)
         self.node_slot[0] = self.root_slot
 
         def expand(frontier, tree):
@@ -208,15 +213,14 @@ class EagleProposer:
         tokens = torch.tensor(self.pending_tokens + [root])                  # (P,)
         out = self.feed(self.pending_feats, tokens, torch.arange(start, start + P))
         self.root_slot = self.cache.length - 1                # root's entry: its feature, root
-        n = 2 + self.config.depth * self.config.top_k ** 2 if self.static is None else \
-            self.static.parents.shape[0]
+        n = self.config.grown_nodes if self.static is None else self.static.parents.shape[0]
         self.node_out = out.new_zeros(n, out.shape[1])                      # (nodes, C)
         self.node_out[0] = out[-1]
         self.node_slot = torch.full((n,), -1, dtype=torch.long)
         self.node_slot[0] = self.root_slot
         if self.static is None:
-            tree, kept = grow_tree(self.expand, root, self.config.depth, self.config.top_k,
-                                   self.config.total, self.vocab_ids)
+            tree, _ = grow_tree(self.expand, root, self.config.depth, self.config.top_k,
+                                self.config.total, self.vocab_ids)
             return tree, None
         return self.static_tree(root), None
 

@@ -211,7 +211,8 @@ def head_proposer(args, target, slots):
         accuracy = config.accuracy[:args.num_speculative_tokens]
         if not accuracy:
             raise ValueError(f"{folder}/config.json has no measured accuracy to build a tree from")
-        tree = static_tree(best_paths(accuracy, args.tree_size or 16))
+        size = args.tree_size or args.num_speculative_tokens * args.draft_top_k   # as --help says
+        tree = static_tree(best_paths(accuracy, size))
         proposer = (MedusaProposer(target, head, tree) if kind == "medusa" else
                     EagleProposer(target, head, DraftConfig(args.num_speculative_tokens), slots, tree))
     size = sum(p.numel() * p.element_size() for p in head.parameters())
