@@ -165,14 +165,60 @@ class KVCache:
         self.length = start + n
 
 
+class Linear(nn.Linear):
+    """nn.Linear that can also hold a oneDNN-prepacked copy of its weight (see `prepack`)."""
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.packed = None              # derived from weight by prepack(); not saved
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias, self.packed)
+
+
+def linear(x, weight, bias=None, packed=None):
+    """F.linear, through the prepacked weight for 3+ rows when there is one (see `prepack`)."""
+    rows = x.numel() // x.shape[-1]
+    if packed is None or rows <= 2:
+        return F.linear(x, weight, bias)
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), packed, bias, "none", [], "")
+    return y.view(*x.shape[:-1], -1)
+
+
+def pack(weight: torch.Tensor, rows_hint: int = 16):
+    """weight (out, in) -> its oneDNN-blocked copy, or None where that does not apply."""
+    if not (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
+
+
+def prepack(module: nn.Module) -> int:
+    """Give every Linear in module a oneDNN-blocked copy of its weight for forwards of 3+ rows.
+
+    Why: a plain bf16 weight is re-laid-out by oneDNN on every call, so a 9-token tree
+    verification streamed the weights at ~9 GB/s; prepacked they stream at ~16 GB/s, close to
+    the 1-token kernel (~22 GB/s). Measured on the default model (2 cores, AVX512-BF16): a
+    9-token forward 37.7 -> 29.2 ms, 1 token unchanged at 22 ms. The cost is a second copy of
+    the weights. Only for CPU bf16 (elsewhere a no-op); call again after changing weights.
+    Returns the number of bytes added."""
+    added = 0
+    for layer in module.modules():
+        if isinstance(layer, Linear):
+            layer.packed = pack(layer.weight)
+            if layer.packed is not None:
+                added += layer.weight.numel() * layer.weight.element_size()
+    return added
+
+
 class Attention(nn.Module):
     def __init__(self, c: LlamaConfig):
         super().__init__()
         self.c = c
         qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         # q, k and v fused into one matmul: at batch 1 every kernel launch costs.
-        self.wqkv = nn.Linear(c.hidden_size, qkv, bias=c.attention_bias)
-        self.wo = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.wqkv = Linear(c.hidden_size, qkv, bias=c.attention_bias)
+        self.wo = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
 
     def forward(self, x, cos, sin, k_cache, v_cache, start, mask):
         """x (B, T, C); k_cache, v_cache (B, K, S, D); mask (T, start + T) bool or None (all)."""
@@ -213,8 +259,8 @@ def grouped_attention(q, keys, values, mask):
 class MLP(nn.Module):
     def __init__(self, c: LlamaConfig):
         super().__init__()
-        self.w13 = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)  # gate, up fused
-        self.w2 = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.w13 = Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)  # gate, up fused
+        self.w2 = Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.w13(x).chunk(2, dim=-1)
@@ -256,7 +302,7 @@ class Llama(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
@@ -336,6 +382,31 @@ def to_our_names(hf: dict, c: LlamaConfig) -> dict:
         sd[o + "mlp.w2.weight"] = hf[p + "mlp.down_proj.weight"]
     return sd
 
+
+
+def to_hf_names(sd: dict, c: LlamaConfig) -> dict:
+    """Inverse of to_our_names: this model's tensors -> HF Llama names (for saving drafts)."""
+    D = c.head_dim
+    q, kv = c.num_heads * D, c.num_kv_heads * D
+    hf = {"model.embed_tokens.weight": sd["embed.weight"], "model.norm.weight": sd["norm.weight"]}
+    if not c.tie_embeddings:
+        hf["lm_head.weight"] = sd["lm_head.weight"]
+    for i in range(c.num_layers):
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+        a = p + "self_attn."
+        hf[p + "input_layernorm.weight"] = sd[o + "attn_norm.weight"]
+        hf[p + "post_attention_layernorm.weight"] = sd[o + "mlp_norm.weight"]
+        for name, part in zip("qkv", sd[o + "attn.wqkv.weight"].split([q, kv, kv])):
+            hf[a + name + "_proj.weight"] = part
+        if c.attention_bias:
+            for name, part in zip("qkv", sd[o + "attn.wqkv.bias"].split([q, kv, kv])):
+                hf[a + name + "_proj.bias"] = part
+            hf[a + "o_proj.bias"] = sd[o + "attn.wo.bias"]
+        hf[a + "o_proj.weight"] = sd[o + "attn.wo.weight"]
+        gate, up = sd[o + "mlp.w13.weight"].split([c.intermediate_size] * 2)
+        hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"] = gate, up
+        hf[p + "mlp.down_proj.weight"] = sd[o + "mlp.w2.weight"]
+    return {k: v.contiguous() for k, v in hf.items()}
 
 def read_json(path: str, what: str) -> dict:
     if not os.path.isfile(path):

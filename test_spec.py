@@ -103,6 +103,20 @@ def test_incremental_decoding_equals_full_forward():
     assert torch.allclose(torch.stack(steps), full[4:], atol=1e-10)
 
 
+def test_prepacked_weights_give_the_same_logits():
+    from model import pack, prepack
+    model = tiny_model().to(torch.bfloat16)
+    if pack(model.lm_head.weight) is None:
+        pytest.skip("no oneDNN weight prepacking in this torch build")
+    ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(9)[None]
+    with torch.no_grad():
+        ref = model(ids, pos, model.new_cache(2, 16))[0].float()
+        assert prepack(model) > 0 and model.layers[0].mlp.w13.packed is not None
+        got = model(ids, pos, model.new_cache(2, 16))[0].float()
+    assert torch.allclose(got, ref, atol=0.02 * float(ref.abs().max())), (got - ref).abs().max()
+
+
 def test_keeping_a_subset_of_slots_equals_appending_only_those():
     model = tiny_model()
     prefix, new = [1, 2, 3], [10, 11, 12, 13, 14]
