@@ -4,7 +4,10 @@ Every method decodes the same prompts in the same order in one process, interlea
 prompt, after a warm-up, so every speedup is a ratio of times measured side by side. Multi-turn
 prompts (Spec-Bench's `turns`) continue each method's own conversation.
 """
+import argparse
+import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +33,7 @@ class Record:
     target_forwards: int
     seconds: float
     accepted: list = field(default_factory=list)    # per step: drafted tokens accepted
+    temperature: float = 0.0
 
 
 def read_bench(path: str, limit: int = 0, categories: str | None = None,
@@ -60,7 +64,8 @@ def read_bench(path: str, limit: int = 0, categories: str | None = None,
     return prompts
 
 
-def summarize(records: list, methods: list, extra_mb: dict, target_mb: float) -> dict:
+def summarize(records: list, methods: list, extra_mb: dict, target_mb: float,
+              configs: dict | None = None) -> dict:
     """Headline, per-category and per-position numbers from the records of one run."""
     def totals(rs):
         new = sum(len(r.token_ids) for r in rs)
@@ -73,6 +78,7 @@ def summarize(records: list, methods: list, extra_mb: dict, target_mb: float) ->
         steps = [a for r in records if r.method == m for a in r.accepted]
         depth = max(steps, default=0)
         out["methods"][m] = {
+            "config": (configs or {}).get(m, ""),
             "tau": new / max(fwd, 1), "tokens_per_s": new / max(sec, 1e-9),
             "speedup": (new / max(sec, 1e-9)) / (base[0] / max(base[2], 1e-9)),
             "memory_mb": extra_mb.get(m, 0.0), "memory_pct": 100 * extra_mb.get(m, 0.0) / target_mb,
@@ -98,55 +104,134 @@ def identical(records: list, base: str, method: str) -> list:
 
 
 def format_tables(summary: dict, methods: list) -> str:
-    lines = [f"{'method':<10}{'tau':>7}{'tok/s':>9}{'speedup':>9}{'+MB':>8}{'+%':>7}"
-             f"{'identical':>11}"]
+    lines = [f"{'method':<12}{'configuration':<26}{'tau':>6}{'tok/s':>9}{'speedup':>9}{'+MB':>8}"
+             f"{'+%':>7}{'identical':>11}"]
     for m, s in summary["methods"].items():
-        lines.append(f"{m:<10}{s['tau']:7.2f}{s['tokens_per_s']:9.1f}{s['speedup']:8.2f}x"
+        lines.append(f"{m:<12}{s['config']:<26}{s['tau']:6.2f}{s['tokens_per_s']:9.1f}"
+                     f"{s['speedup']:8.2f}x"
                      f"{s['memory_mb']:8.1f}{s['memory_pct']:6.1f}%"
                      f"{s['identical'][0]:>6}/{s['identical'][1]}")
     lines += ["", "tau / speedup per category", f"{'category':<16}" +
               "".join(f"{m:>16}" for m in methods)]
     for c, per in summary["categories"].items():
-        lines.append(f"{c:<16}" + "".join(f"{per[m]['tau']:9.2f} {per[m]['speedup']:4.2f}x"
+        lines.append(f"{c:<16}" + "".join(f"{per[m]['tau']:10.2f} {per[m]['speedup']:4.2f}x"
                                            for m in methods))
     lines += ["", "acceptance by draft position (fraction of steps)"]
     for m, s in summary["methods"].items():
         if s["acceptance_by_position"]:
-            lines.append(f"{m:<10}" + " ".join(f"{a:.2f}" for a in s["acceptance_by_position"]))
+            lines.append(f"{m:<12}" + " ".join(f"{a:.2f}" for a in s["acceptance_by_position"]))
     return "\n".join(lines)
 
 
 @torch.inference_mode()
 def run_bench(args, build) -> dict:
-    """build(method) -> (decode(prompt_ids) -> spec.Result, added MB). Returns the JSON report."""
+    """build(args, method, target, tokenizer) -> (decode(prompt_ids) -> spec.Result, added MB,
+    configuration in words).
+
+    One run per temperature in args.temperatures, each with its own baseline. Returns the JSON
+    report; the tables go to stderr."""
     from spec import load_target
     path, target, tokenizer = load_target(args)
     methods = args.methods.split(",")
     if methods[0] != "ar":
         methods = ["ar"] + [m for m in methods if m != "ar"]     # the baseline runs first
+    if args.peers:
+        methods += PEERS
     prompts = read_bench(args.bench, args.limit, args.categories, args.per_category)
-    decoders, extra_mb = {}, {}
-    for m in methods:
-        decoders[m], extra_mb[m] = build(m, target, tokenizer)
-        decoders[m](tokenizer.chat_prompt("Hello! Say something."))       # warm-up
-    records = []
-    bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", file=sys.stderr)
-    for p in prompts:
+    decoders, extra_mb, configs = {}, {}, {}
+    for T in args.temperatures:
+        targs = argparse.Namespace(**{**vars(args), "temperature": T})
         for m in methods:
+            make = peer_decoder if m in PEERS else build
+            decoders[T, m], extra_mb[m], configs[m] = make(targs, m, target, tokenizer)
+            decoders[T, m](tokenizer.chat_prompt("Hello! Say something."))       # warm-up
+    records = []
+    bar = tqdm(total=len(prompts) * len(decoders), desc="bench", unit="run", file=sys.stderr)
+    for p in prompts:
+        for (T, m), decode in decoders.items():
             history = []
             for turn, text in enumerate(p.turns):
                 ids = tokenizer.chat_ids(history + [("user", text)])
-                r = decoders[m](ids)
+                r = decode(ids)
                 records.append(Record(m, p.id, p.category, turn, r.token_ids, r.target_forwards,
-                                      r.seconds, r.accepted))
+                                      r.seconds, r.accepted, T))
                 answer = [t for t in r.token_ids if t not in tokenizer.stop_ids]
                 history += [("user", text), ("assistant", tokenizer.decode(answer))]
             bar.update(1)
     bar.close()
     target_mb = sum(p.numel() * p.element_size() for p in target.parameters()) / 2**20
-    summary = summarize(records, methods, extra_mb, target_mb)
-    print(format_tables(summary, methods), file=sys.stderr)
+    runs = []
+    for T in args.temperatures:
+        summary = summarize([r for r in records if r.temperature == T], methods, extra_mb,
+                            target_mb, configs)
+        print(f"\n== temperature {T:g}\n" + format_tables(summary, methods), file=sys.stderr)
+        runs.append({"temperature": T, "summary": summary})
+    if len(runs) > 1:
+        print("\n" + format_temperatures(runs, methods), file=sys.stderr)
     return {"model_path": path, "dtype": args.dtype, "device": args.device,
             "prompts": args.bench, "count": len(prompts), "max_new_tokens": args.max_new_tokens,
-            "temperature": args.temperature, "summary": summary,
-            "records": [r.__dict__ for r in records]}
+            "runs": runs, "records": [r.__dict__ for r in records]}
+
+
+def format_temperatures(runs: list, methods: list) -> str:
+    """tau and speedup of each method at each temperature, one line per method."""
+    lines = ["tau / speedup by temperature", f"{'method':<12}" +
+             "".join(f"{'T=' + format(r['temperature'], 'g'):>16}" for r in runs)]
+    for m in methods:
+        lines.append(f"{m:<12}" + "".join(
+            f"{r['summary']['methods'][m]['tau']:10.2f} {r['summary']['methods'][m]['speedup']:4.2f}x"
+            for r in runs))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- peers: transformers
+
+PEERS = ["hf", "hf-ngram", "hf-assisted"]
+
+
+def peer_decoder(args, name: str, target, tokenizer) -> tuple:
+    """transformers' generate on the same model folder, dtype and prompts: plain ("hf"), with
+    prompt lookup ("hf-ngram", prompt_lookup_num_tokens=10 as in its docs) or assisted by our
+    distilled draft ("hf-assisted"). Target forwards are counted with a hook."""
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("--peers needs transformers: pip install transformers") from None
+    from default_model import default_model_path
+    from spec import Result
+    path = args.model or default_model_path(args.cache_dir)
+    dtype = getattr(torch, args.dtype)
+    hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
+    calls = [0]
+    hf.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    options = {"max_new_tokens": args.max_new_tokens, "eos_token_id": list(tokenizer.stop_ids),
+               "pad_token_id": tokenizer.stop_ids[0]}
+    options |= ({"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
+                if args.temperature > 0 else {"do_sample": False, "temperature": None,
+                                              "top_p": None, "top_k": None})
+    extra_mb = 0.0
+    if name == "hf-ngram":
+        options["prompt_lookup_num_tokens"] = 10
+    elif name == "hf-assisted":
+        from default_model import cache_dir
+        from heads import draft_folder
+        from spec import WEIGHTS
+        folder = draft_folder(args.draft or os.path.join(WEIGHTS, "smollm2-135m-draft"), path,
+                              cache_dir(args.cache_dir))
+        helper = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=dtype)
+        options["assistant_model"] = helper.to(args.device).eval()
+        extra_mb = sum(p.numel() * p.element_size() for p in helper.parameters()) / 2**20
+
+    def decode(prompt_ids):
+        torch.manual_seed(args.seed)
+        calls[0] = 0
+        t0 = time.perf_counter()
+        out = hf.generate(torch.tensor([prompt_ids], device=args.device), **options)
+        new = out[0, len(prompt_ids):].tolist()                    # (waits for the device)
+        seconds = time.perf_counter() - t0
+        stop = next((i for i, t in enumerate(new) if t in tokenizer.stop_ids), None)
+        return Result(token_ids=new if stop is None else new[:stop + 1],
+                      target_forwards=calls[0], seconds=seconds)
+    config = {"hf": "generate, plain", "hf-ngram": "prompt lookup, 10 tokens",
+              "hf-assisted": "distilled draft"}[name]
+    return decode, extra_mb, config

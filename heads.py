@@ -1,4 +1,5 @@
-"""Draft heads that read the target's features (Medusa, EAGLE), their files, and static trees.
+"""Draft heads that read the target's features (Medusa, EAGLE), their files, static trees, and
+the distilled draft model (a small standard HF Llama).
 
 Both predict over a reduced draft vocabulary: the R most frequent tokens of the target's own
 answers (EAGLE-3's trick), `vocab_ids` (R,) mapping them back to target ids. The projection is the
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from kernels import attention_mask
-from model import Block, KVCache, LlamaConfig, LoadError, rope_cos_sin, rope_inv_freq
+from model import Block, KVCache, Linear, LlamaConfig, LoadError, rope_cos_sin, rope_inv_freq
 
 
 @dataclass
@@ -28,6 +29,7 @@ class HeadConfig:
     num_heads: int = 4           # Medusa: M heads, head i predicts i + 2 tokens ahead
     layer: dict = field(default_factory=dict)     # EAGLE: LlamaConfig fields of its decoder layer
     accuracy: list = field(default_factory=list)  # [depth][rank] measured P(correct | path so far)
+    own_projection: bool = False  # Medusa: each head has its own (M, R, C) projection
 
     def check(self, target: LlamaConfig, folder: str) -> None:
         if (self.hidden_size, self.vocab_size) != (target.hidden_size, target.vocab_size):
@@ -44,7 +46,7 @@ class EagleHead(nn.Module):
         super().__init__()
         C = layer.hidden_size
         self.layer_config = layer
-        self.fc = nn.Linear(2 * C, C)
+        self.fc = Linear(2 * C, C)
         self.layer = Block(layer)
         self.register_buffer("vocab_ids", vocab_ids.long())              # (R,)
         self.register_buffer("inv_freq", rope_inv_freq(layer), persistent=False)
@@ -72,16 +74,28 @@ class MedusaHeads(nn.Module):
     """Medusa (Cai et al. 2024): M residual blocks x + SiLU(W x) on the target's final feature;
     zero-initialized, so each starts as the target's own next-token head."""
 
-    def __init__(self, hidden_size: int, num_heads: int, vocab_ids: torch.Tensor):
+    def __init__(self, hidden_size: int, num_heads: int, vocab_ids: torch.Tensor,
+                 own_projection: bool = False):
         super().__init__()
         self.blocks = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_heads))
         for b in self.blocks:
             nn.init.zeros_(b.weight), nn.init.zeros_(b.bias)
         self.register_buffer("vocab_ids", vocab_ids.long())              # (R,)
+        # Medusa-1 gives every head its own trainable projection (started from the target's
+        # rows); the default shares the target's frozen one: M x R x C fewer parameters
+        self.proj = (nn.Parameter(torch.zeros(num_heads, len(vocab_ids), hidden_size))
+                     if own_projection else None)                       # (M, R, C)
 
     def forward(self, hidden):
         """hidden (..., C) -> (..., M, C): one feature per head, for the shared projection."""
         return torch.stack([hidden + nn.functional.silu(b(hidden)) for b in self.blocks], -2)
+
+    def logits(self, hidden, shared: torch.Tensor) -> torch.Tensor:
+        """hidden (..., C), shared (R, C) the target's rows -> (..., M, R)."""
+        feats = self(hidden)                                             # (..., M, C)
+        if self.proj is None:
+            return feats @ shared.T
+        return torch.einsum("...mc,mrc->...mr", feats, self.proj)
 
 
 def projection(target, vocab_ids: torch.Tensor) -> torch.Tensor:
@@ -92,7 +106,7 @@ def projection(target, vocab_ids: torch.Tensor) -> torch.Tensor:
 def build_head(config: HeadConfig, vocab_ids: torch.Tensor) -> nn.Module:
     if config.kind == "eagle":
         return EagleHead(LlamaConfig(**config.layer), vocab_ids)
-    return MedusaHeads(config.hidden_size, config.num_heads, vocab_ids)
+    return MedusaHeads(config.hidden_size, config.num_heads, vocab_ids, config.own_projection)
 
 
 def eagle_layer_config(target: LlamaConfig) -> dict:
@@ -169,3 +183,132 @@ def best_paths(accuracy: list, size: int) -> list:
         if r + 1 < len(accuracy[d]):
             heapq.heappush(heap, (-parent * accuracy[d][r + 1], path[:-1] + (r + 1,), parent))
     return paths
+
+
+
+def expected_length(accuracy: list, size: int) -> float:
+    """Expected tokens per step (accepted drafts + the target's own token) of the best static
+    tree with `size` drafted nodes: 1 + the sum of its paths' acceptance probabilities."""
+    total = 1.0
+    for path in best_paths(accuracy, size):
+        p = 1.0
+        for d, r in enumerate(path):
+            p *= accuracy[d][r]
+        total += p
+    return total
+
+
+def choose_tree_size(expected: dict, cost_ms: dict, draft_ms: float) -> tuple:
+    """The size n maximizing expected tokens per second, expected[n] / (draft_ms + verify of
+    n + 1 tokens), with the verify cost interpolated linearly between the measured k in cost_ms.
+    -> (n, {n: predicted tokens per second}, {n: verify ms of n + 1 tokens})."""
+    ks = sorted(cost_ms)
+
+    def verify(k):
+        if k >= ks[-1]:
+            return cost_ms[ks[-1]] * k / ks[-1]      # beyond the last measurement: proportional
+        if k <= ks[0]:
+            return cost_ms[ks[0]]
+        lo = max(j for j in ks if j <= k)
+        hi = min(j for j in ks if j >= k)
+        if hi == lo:
+            return cost_ms[lo]
+        return cost_ms[lo] + (cost_ms[hi] - cost_ms[lo]) * (k - lo) / (hi - lo)
+
+    verify_ms = {n: verify(n + 1) for n in expected}
+    speed = {n: 1000 * e / (draft_ms + verify_ms[n]) for n, e in expected.items()}
+    return max(speed, key=speed.get), speed, verify_ms
+
+
+# ---------------------------------------------------------------- the distilled draft model
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json")
+
+
+def init_draft(target, layers: int):
+    """A `layers`-deep Llama starting from evenly spaced target layers (first and last included).
+
+    Embedding and output head are the target's own, shared and frozen: the draft learns only its
+    blocks and final norm, and its file needs no embedding matrix of its own."""
+    import copy
+    from model import Llama
+    N = target.config.num_layers
+    if not 1 <= layers <= N:
+        raise ValueError(f"draft layers must be in 1..{N}, got {layers}")
+    picks = [round(i * (N - 1) / max(layers - 1, 1)) for i in range(layers)]
+    config = LlamaConfig(**{**asdict(target.config), "num_layers": layers})
+    with torch.device("meta"):
+        draft = Llama(config)
+    draft.layers = nn.ModuleList(copy.deepcopy(target.layers[i]) for i in picks)
+    draft.norm = copy.deepcopy(target.norm)
+    draft.embed, draft.lm_head = target.embed, target.lm_head
+    draft.inv_freq = target.inv_freq
+    draft.embed.requires_grad_(False), draft.lm_head.requires_grad_(False)
+    draft.layers.requires_grad_(True), draft.norm.requires_grad_(True)
+    return draft
+
+
+def save_draft(draft, target_folder: str, out: str, info: dict | None = None,
+               embeddings: bool = True) -> None:
+    """A standard HF Llama folder: config.json (the target's, fewer layers), model.safetensors
+    (16-bit), the target's tokenizer files; written atomically. embeddings=False leaves the
+    embedding matrix out (the shipped copy: draft_folder rebuilds it from the target)."""
+    import shutil
+    from safetensors.torch import save_file
+    from model import to_hf_names
+    c = draft.config
+    tensors = to_hf_names({k: v.detach() for k, v in draft.state_dict().items()}, c)
+    if not embeddings:
+        tensors = {k: v for k, v in tensors.items()
+                   if k not in ("model.embed_tokens.weight", "lm_head.weight")}
+    os.makedirs(out, exist_ok=True)
+    save_file({k: v.bfloat16() for k, v in tensors.items()}, f"{out}/model.safetensors.tmp",
+              metadata={"format": "pt"})
+    os.replace(f"{out}/model.safetensors.tmp", f"{out}/model.safetensors")
+    with open(f"{target_folder}/config.json") as f:
+        hf = json.load(f)
+    write_json(f"{out}/config.json", hf | {"num_hidden_layers": c.num_layers,
+                                            "torch_dtype": "bfloat16"})
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(f"{target_folder}/{name}"):
+            shutil.copyfile(f"{target_folder}/{name}", f"{out}/{name}")
+    if info is not None:
+        write_json(f"{out}/training.json", info)
+
+
+def draft_folder(folder: str, target_folder: str, cache: str) -> str:
+    """-> a complete HF folder for the draft in `folder`: itself when it holds its embeddings,
+    else a copy under `cache` with the target's embedding matrix added (built once, atomically)."""
+    import hashlib
+    import shutil
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    weights = f"{folder}/model.safetensors"
+    if not os.path.isfile(weights):
+        raise LoadError(f"{folder}: no model.safetensors; is this a draft folder?")
+    with safe_open(weights, framework="pt") as f:
+        if "model.embed_tokens.weight" in f.keys():
+            return folder
+    with open(weights, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:12]
+    out = os.path.join(cache, f"draft-{os.path.basename(folder.rstrip('/'))}-{digest}")
+    if os.path.isfile(f"{out}/model.safetensors"):
+        return out
+    target_files = [f"{target_folder}/model.safetensors"]
+    if not os.path.isfile(target_files[0]):
+        raise LoadError(f"{target_folder}: need a single model.safetensors to take the draft's "
+                        "embeddings from")
+    with open(f"{folder}/config.json") as f:
+        tied = json.load(f).get("tie_word_embeddings", False)
+    names = ["model.embed_tokens.weight"] + ([] if tied else ["lm_head.weight"])
+    with safe_open(target_files[0], framework="pt") as f:
+        shared = {n: f.get_tensor(n).bfloat16() for n in names}
+    tensors = load_file(weights) | shared
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(folder, tmp)
+    save_file(tensors, f"{tmp}/model.safetensors", metadata={"format": "pt"})
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import target_probs, sample
-from model import Llama, LlamaConfig
+from model import Llama, LlamaConfig, linear, pack
 from tree import Tree, ancestor_mask, chain, grow_tree
 
 
@@ -192,6 +192,7 @@ class EagleProposer:
         self.target, self.head, self.config, self.static = target, head, config, static
         self.slots, self.device = slots, target.embed.weight.device
         self.proj = projection(target, head.vocab_ids)                      # (R, C)
+        self.packed = pack(self.proj)                     # CPU bf16: rounds of 3+ nodes (model.py)
         self.vocab_ids = head.vocab_ids.cpu()
         self.max_nodes = (static.parents.shape[0] if static is not None else config.total + 1)
 
@@ -201,7 +202,7 @@ class EagleProposer:
 
     def logp(self, feats: torch.Tensor) -> torch.Tensor:
         """(F, C) predicted features -> (F, R) log-probabilities over the draft vocabulary."""
-        return torch.log_softmax((feats @ self.proj.T).float(), dim=-1)
+        return torch.log_softmax(linear(feats, self.proj, packed=self.packed).float(), dim=-1)
 
     def feed(self, feats, tokens, positions, mask=None) -> torch.Tensor:
         """(T, C) features, (T,) tokens and positions -> (T, C) predicted next features."""
@@ -273,7 +274,7 @@ class MedusaProposer:
 
     def propose(self, root: int, gen, generator) -> tuple:
         st = self.static
-        logits = self.head(self.feature) @ self.proj.T                      # (M, R)
+        logits = self.head.logits(self.feature, self.proj)                  # (M, R)
         top = logits.topk(int(st.ranks.max()) + 1).indices.cpu()            # (M, ranks)
         tokens = self.vocab_ids[top[(st.depths - 1).clamp(min=0), st.ranks]]
         tokens[0] = root

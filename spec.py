@@ -9,6 +9,7 @@ import argparse
 import codecs
 import json
 import os
+import platform
 import sys
 import time
 from dataclasses import dataclass, field
@@ -21,8 +22,11 @@ from tree import ancestor_mask, positions, retrieve_indices
 DEFAULT_PROMPT = "What is the capital of France?"
 METHODS = ["ar", "draft", "ngram", "medusa", "eagle", "eagle2"]
 # (depth, top-k, tree size) per method, chosen by measurement on the default model (README)
-TREE_DEFAULTS = {"draft": (4, 1, 0), "ngram": (4, 1, 0), "medusa": (4, 1, 8),
-                 "eagle": (5, 1, 8), "eagle2": (4, 4, 8)}
+# (depth, top-k, tree size) per method, measured on the MT-bench prompts (README). Tree sizes
+# of the head methods are chosen per machine: auto beat every fixed size tried (eagle2 1.12x
+# over ar with 5 nodes vs 1.09x with 8; medusa 1.04x vs 0.93x; eagle 1.01x vs 0.95x)
+TREE_DEFAULTS = {"draft": (4, 1, 0), "ngram": (4, 1, 0), "medusa": (4, 1, "auto"),
+                 "eagle": (5, 1, "auto"), "eagle2": (4, 4, "auto")}
 WEIGHTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights")
 
 
@@ -160,35 +164,41 @@ def pick_device(name: str | None) -> str:
 
 def load_target(args):
     from default_model import default_model_path
-    from model import load_model
+    from model import load_model, prepack
     from tokenizer import load_tokenizer
     path = args.model or default_model_path(args.cache_dir)
     dtype = getattr(torch, args.dtype)
-    return path, load_model(path, dtype, args.device), load_tokenizer(path)
+    target = load_model(path, dtype, args.device)
+    prepack(target)         # CPU bf16 only: tree verification ~1.3x faster for a 2nd weight copy
+    return path, target, load_tokenizer(path)
 
 
 def build_proposer(args, target, tokenizer, slots):
+    from default_model import cache_dir, default_model_path
+    from heads import draft_folder
     from model import load_model
     from proposers import DraftConfig, DraftModelProposer, PromptLookupProposer, truncated_draft
     from tokenizer import load_tokenizer
     if args.method in ("medusa", "eagle", "eagle2"):
-        return head_proposer(args, target, slots)
+        return head_proposer(args, target, slots, tokenizer)
     if args.method == "ngram":
         proposer = PromptLookupProposer(args.num_speculative_tokens, args.ngram_max)
         return proposer, {"draft": f"prompt lookup, n <= {args.ngram_max}", "draft_params": 0,
                           "draft_memory_mb": 0.0}
     config = DraftConfig(depth=args.num_speculative_tokens, top_k=args.draft_top_k,
-                         total=args.tree_size)
-    if args.draft:
-        why = tokenizer.same_as(load_tokenizer(args.draft))
+                         total=0 if args.tree_size == "auto" else args.tree_size)  # auto: heads
+    if args.draft_layers:
+        draft = truncated_draft(target, args.draft_layers)
+        name = f"target's first {args.draft_layers} layers"
+    else:
+        name = args.draft or os.path.join(WEIGHTS, "smollm2-135m-draft")
+        folder = draft_folder(name, args.model or default_model_path(args.cache_dir),
+                              cache_dir(args.cache_dir))
+        why = tokenizer.same_as(load_tokenizer(folder))
         if why:
             raise ValueError(f"draft and target tokenizers differ: {why}. A draft must share the "
                              "target's exact tokenizer, or its tokens mean other words")
-        draft = load_model(args.draft, target.embed.weight.dtype, args.device)
-        name = args.draft
-    else:
-        draft = truncated_draft(target, args.draft_layers)
-        name = f"target's first {args.draft_layers} layers"
+        draft = share_embeddings(load_model(folder, target.embed.weight.dtype, args.device), target)
     own = {id(p) for p in target.parameters()}
     extra = sum(p.numel() * p.element_size() for p in draft.parameters() if id(p) not in own)
     info = {"draft": name, "draft_params": sum(p.numel() for p in draft.parameters()),
@@ -196,29 +206,161 @@ def build_proposer(args, target, tokenizer, slots):
     return DraftModelProposer(draft, config, slots), info
 
 
-def head_proposer(args, target, slots):
+def share_embeddings(draft, target):
+    """Point the draft at the target's embedding (and tied head) when they are equal: a
+    distilled draft keeps the target's frozen one, and a second copy would cost memory."""
+    w = target.embed.weight
+    if draft.embed.weight.shape == w.shape and torch.equal(draft.embed.weight, w):
+        draft.embed.weight = w
+        if draft.config.tie_embeddings and target.config.tie_embeddings:
+            draft.lm_head.weight = w
+    return draft
+
+
+def head_proposer(args, target, slots, tokenizer):
     """Medusa / EAGLE / EAGLE-2 from a trained head folder (default: the shipped weights)."""
     from heads import best_paths, load_head
+    from model import prepack
     from proposers import DraftConfig, EagleProposer, MedusaProposer
     from tree import static_tree
     kind = "medusa" if args.method == "medusa" else "eagle"
     folder = args.head or os.path.join(WEIGHTS, f"smollm2-135m-{kind}")
     head, config = load_head(folder, target, kind)
-    if args.method == "eagle2":
-        proposer = EagleProposer(target, head, DraftConfig(args.num_speculative_tokens,
-                                                           args.draft_top_k, args.tree_size), slots)
-    else:
-        accuracy = config.accuracy[:args.num_speculative_tokens]
+    packed = prepack(head)                                              # bytes it added
+    depth, top_k = args.num_speculative_tokens, args.draft_top_k
+    # measured P(rank r right | path right) by depth; EAGLE-2 only ever drafts ranks < top_k
+    accuracy = [row[:top_k] if args.method == "eagle2" else row for row in config.accuracy[:depth]]
+
+    def make(size: int):
+        if args.method == "eagle2":
+            return EagleProposer(target, head, DraftConfig(depth, top_k, size), slots)
         if not accuracy:
             raise ValueError(f"{folder}/config.json has no measured accuracy to build a tree from")
-        size = args.tree_size or args.num_speculative_tokens * args.draft_top_k   # as --help says
         tree = static_tree(best_paths(accuracy, size))
-        proposer = (MedusaProposer(target, head, tree) if kind == "medusa" else
-                    EagleProposer(target, head, DraftConfig(args.num_speculative_tokens), slots, tree))
-    size = sum(p.numel() * p.element_size() for p in head.parameters())
-    size += proposer.proj.numel() * proposer.proj.element_size()
+        return (MedusaProposer(target, head, tree) if kind == "medusa" else
+                EagleProposer(target, head, DraftConfig(depth), slots, tree))
+
+    if args.tree_size == "auto":
+        size = auto_tree_size(args, target, tokenizer, accuracy, make)
+    else:
+        size = args.tree_size or depth * top_k                        # 0: as --help says
+    proposer = make(size)
+    proj = proposer.proj.numel() * proposer.proj.element_size()
+    memory = sum(p.numel() * p.element_size() for p in head.parameters()) + packed + proj
+    if isinstance(proposer, EagleProposer) and proposer.packed is not None:
+        memory += proj                                                   # its prepacked copy
     return proposer, {"draft": folder, "draft_params": sum(p.numel() for p in head.parameters()),
-                      "draft_memory_mb": round(size / 2**20, 1)}
+                      "draft_memory_mb": round(memory / 2**20, 1), "tree_size": size}
+
+
+# ---------------------------------------------------------------- --tree-size auto
+
+AUTO_MAX = 48                                   # largest tree --tree-size auto considers
+COST_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, AUTO_MAX + 1)
+
+
+def auto_tree_size(args, target, tokenizer, accuracy, make) -> int:
+    """The tree size with the most expected tokens per second on this machine: the head's
+    measured accuracies give the expected tokens per step of each size (as Medusa's tree
+    search does), the measured (cached) verify cost and draft time give the seconds."""
+    from heads import choose_tree_size, expected_length
+    if not accuracy:
+        raise ValueError("--tree-size auto needs the head's measured accuracy table (config.json)")
+    expected = {n: expected_length(accuracy, n) for n in range(1, AUTO_MAX + 1)}
+    costs = verify_costs(args, target)
+    draft_ms = draft_time(make(args.num_speculative_tokens), target, tokenizer)
+    size, speed, verify_ms = choose_tree_size(expected, costs, draft_ms)
+    shown = [n for n in COST_SIZES if n <= AUTO_MAX] + ([size] if size not in COST_SIZES else [])
+    print(f"tree size auto ({args.method}): draft {draft_ms:.1f} ms per step\n"
+          f"{'size':>6}{'verify ms':>11}{'E[tokens]':>11}{'tok/s':>8}", file=sys.stderr)
+    for n in sorted(shown):
+        mark = "  <- chosen" if n == size else ""
+        print(f"{n:6d}{verify_ms[n]:11.1f}{expected[n]:11.2f}{speed[n]:8.1f}"
+              f"{mark}", file=sys.stderr)
+    return size
+
+
+class TimedProposer:
+    """Wraps a proposer and records the seconds of each propose() call."""
+
+    def __init__(self, inner):
+        self.inner, self.max_nodes, self.seconds = inner, inner.max_nodes, []
+
+    def start(self, prompt_ids, hidden=None):
+        self.inner.start(prompt_ids, hidden)
+
+    def propose(self, root, gen, generator):
+        t0 = time.perf_counter()
+        out = self.inner.propose(root, gen, generator)
+        self.seconds.append(time.perf_counter() - t0)
+        return out
+
+    def commit(self, tree, accepted, hidden=None):
+        self.inner.commit(tree, accepted, hidden)
+
+
+def draft_time(proposer, target, tokenizer) -> float:
+    """Median ms of one propose() call while decoding a built-in prompt (after one warm-up)."""
+    import statistics
+    for _ in range(2):
+        timed = TimedProposer(proposer)
+        generate_spec(target, timed, tokenizer.chat_prompt(BUILTIN_PROMPTS[2]), GenConfig(24),
+                      tokenizer.stop_ids)
+    return statistics.median(timed.seconds) * 1000
+
+
+def machine_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        model = ""
+    return f"{model or platform.processor() or platform.machine()} x{torch.get_num_threads()}"
+
+
+def verify_costs(args, model) -> dict:
+    """{k: ms} of a target forward over k tokens, measured once per machine, model, dtype and
+    torch version and cached in the cache folder (verify-costs.json)."""
+    from default_model import cache_dir, default_model_path
+    key = " | ".join([machine_name(args.device), torch.__version__, args.dtype,
+                      os.path.abspath(args.model or default_model_path(args.cache_dir))])
+    path = os.path.join(cache_dir(args.cache_dir), "verify-costs.json")
+    table = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            table = json.load(f)
+    if key not in table:
+        print("measuring the verify cost on this machine (once; cached)", file=sys.stderr)
+        table[key] = forward_costs(model, COST_SIZES)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(table, f, indent=1)
+        os.replace(path + ".tmp", path)
+    return {int(k): v for k, v in table[key].items()}
+
+
+def forward_costs(model, sizes, batch: int = 1, prefix: int = 128, repeats: int = 5) -> dict:
+    """{k: median ms} of one forward over k new tokens per row (batch rows) after a prefix."""
+    import statistics
+    device = model.embed.weight.device
+    cache = model.new_cache(batch, prefix + max(sizes))
+    ids = torch.arange(prefix, device=device)[None].expand(batch, prefix)
+    model(ids, ids[:1], cache)
+    ms = {}
+    for k in sizes:
+        times = []
+        for _ in range(repeats):
+            cache.length = prefix
+            new = torch.arange(k, device=device)[None].expand(batch, k)
+            t0 = time.perf_counter()
+            model(new, new[:1] + prefix, cache)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        ms[k] = round(statistics.median(times) * 1000, 3)
+    return ms
 
 
 class Streamer:
@@ -252,8 +394,9 @@ def parse_args(argv=None):
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, no chat template")
     p.add_argument("--max-new-tokens", type=int, default=GenConfig.max_new_tokens,
                    help="stop after this many new tokens")
-    p.add_argument("--temperature", type=float, default=GenConfig.temperature,
-                   help="sampling temperature; 0 is greedy")
+    p.add_argument("--temperature", type=temperatures, default=[GenConfig.temperature],
+                   help="sampling temperature; 0 is greedy. With --bench a comma list "
+                        "(0,0.7,1.0) runs everything at each, to show how acceptance falls")
     p.add_argument("--top-p", type=float, default=GenConfig.top_p, help="nucleus sampling mass")
     p.add_argument("--seed", type=int, default=GenConfig.seed, help="seed of the sampler")
     p.add_argument("--model", help="a Hugging Face Llama folder (default: SmolLM2-135M-Instruct, "
@@ -271,9 +414,11 @@ def parse_args(argv=None):
                    help="print one JSON object instead of text (with --bench: write the full "
                         "report, per prompt too, to FILE)")
     p.add_argument("--draft", help="draft model: a HF Llama folder with the target's tokenizer "
-                                   "(default: the target's first --draft-layers layers)")
-    p.add_argument("--draft-layers", type=int, default=4,
-                   help="layers of the truncated-target draft used when --draft is not given")
+                                   "(default: the distilled draft shipped in weights/ for the "
+                                   "default model)")
+    p.add_argument("--draft-layers", type=int, default=0,
+                   help="draft with the target's own first N layers instead (no training, "
+                        "no extra weights; 0: off)")
     p.add_argument("--head", help="trained head folder for medusa, eagle and eagle2 (default: "
                                   "the weights shipped in weights/ for the default model)")
     p.add_argument("--num-speculative-tokens", type=int,
@@ -282,8 +427,11 @@ def parse_args(argv=None):
     p.add_argument("--draft-top-k", type=int,
                    help="children per expanded draft node; 1 drafts a chain, more a tree "
                         "(default: eagle2 " + str(TREE_DEFAULTS["eagle2"][1]) + ", others 1)")
-    p.add_argument("--tree-size", type=int,
-                   help="draft nodes verified per step (0: depth x top-k; default: " +
+    p.add_argument("--tree-size", type=tree_size,
+                   help="draft nodes verified per step (0: depth x top-k; auto: the size with "
+                        "the most expected tokens/s on this machine, from the head's measured "
+                        "accuracy and the measured verify cost, for medusa, eagle and eagle2; "
+                        "default: " +
                         ", ".join(f"{m} {d[2]}" for m, d in TREE_DEFAULTS.items()) + ")")
     p.add_argument("--compare-hf", action="store_true",
                    help="time our plain decoding against transformers' generate on the same "
@@ -298,9 +446,13 @@ def parse_args(argv=None):
     p.add_argument("--bench", metavar="PROMPTS.jsonl",
                    help="benchmark --methods on JSONL prompts ({prompt} or {turns}, optional "
                         "category), e.g. Spec-Bench's question.jsonl; prints the tables")
-    p.add_argument("--methods", default="ar,ngram,medusa,eagle,eagle2",
+    p.add_argument("--methods", default="ar,draft,ngram,medusa,eagle,eagle2",
                    help="comma-separated methods for --bench; ar always runs as the baseline")
     p.add_argument("--categories", help="comma-separated categories for --bench (default: all)")
+    p.add_argument("--peers", action="store_true",
+                   help="--bench: also run transformers' generate on the same model, dtype and "
+                        "prompts: plain (hf), prompt lookup (hf-ngram) and assisted by the "
+                        "distilled draft (hf-assisted); needs transformers")
     p.add_argument("--per-category", type=int, default=0,
                    help="--bench: the first N prompts of each category (0: all)")
     p.add_argument("--ngram-max", type=int, default=3,
@@ -313,10 +465,37 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be at least 1")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
+    args.temperatures, args.temperature = args.temperature, args.temperature[0]
+    if len(args.temperatures) > 1 and not args.bench:
+        p.error("several temperatures only with --bench")
+    if min(args.temperatures) < 0 or not 0 < args.top_p <= 1:
         p.error("--temperature must be >= 0 and --top-p in (0, 1]")
+    if args.peers and not args.bench:
+        p.error("--peers only with --bench")
     args.device = pick_device(args.device)
     return with_tree_defaults(args, args.method)
+
+
+def tree_size(text: str):
+    """argparse type: "auto" or a number of nodes >= 0."""
+    if text == "auto":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 or auto, got {text!r}")
+    return int(text)
+
+
+def tree_budget(args) -> int:
+    """Most nodes a proposal may verify: the cache needs room for them."""
+    return AUTO_MAX if args.tree_size == "auto" else args.tree_size
+
+
+def temperatures(text: str) -> list:
+    """argparse type: "0" or "0,0.7,1.0" -> [0.0] or [0.0, 0.7, 1.0]."""
+    try:
+        return [float(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number or comma list of numbers: {text!r}") from None
 
 
 def with_tree_defaults(args, method: str):
@@ -331,16 +510,22 @@ def with_tree_defaults(args, method: str):
 
 
 def bench_decoder(args, method: str, target, tokenizer) -> tuple:
-    """For bench.run_bench: (prompt_ids -> Result, MB the method adds to the target)."""
+    """For bench.run_bench: (prompt_ids -> Result, MB the method adds to the target, its
+    configuration in words)."""
     gen = GenConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     if method == "ar":
-        return (lambda ids: generate_ar(target, ids, gen, tokenizer.stop_ids)), 0.0
+        return (lambda ids: generate_ar(target, ids, gen, tokenizer.stop_ids)), 0.0, "plain"
     margs = with_tree_defaults(args, method)
-    extra = margs.num_speculative_tokens * margs.draft_top_k + margs.tree_size + 1
+    extra = margs.num_speculative_tokens * margs.draft_top_k + tree_budget(margs) + 1
     proposer, info = build_proposer(margs, target, tokenizer,
                                     target.config.max_positions + extra + 1)
+    depth, top_k = margs.num_speculative_tokens, margs.draft_top_k
+    size = info.get("tree_size") or margs.tree_size or depth * top_k
+    config = (f"{depth} x top-{top_k}, {size} nodes" if method == "eagle2" else
+              f"{size}-node tree" if method in ("medusa", "eagle") else
+              f"chain of {depth}" if top_k == 1 else f"{depth} x top-{top_k}, {size} nodes")
     return (lambda ids: generate_spec(target, proposer, ids, gen, tokenizer.stop_ids),
-            info["draft_memory_mb"])
+            info["draft_memory_mb"], config)
 
 
 def run(args) -> dict:
@@ -355,7 +540,7 @@ def run(args) -> dict:
         result = generate_ar(target, prompt_ids, gen, tokenizer.stop_ids, stream)
     else:
         slots = check_room(target, prompt_ids, gen, args.num_speculative_tokens * args.draft_top_k
-                           + args.tree_size + 1)
+                           + tree_budget(args) + 1)
         proposer, info = build_proposer(args, target, tokenizer, slots)
         show = None
         if args.show_tree:
@@ -437,28 +622,22 @@ def compare_hf(args) -> dict:
 
 
 @torch.inference_mode()
-def verify_curve(args, sizes=(1, 2, 4, 8, 16, 32, 64), repeats=7) -> dict:
-    """Median time of a forward over k new tokens after a 128-token prefix, for each k."""
-    import statistics
+@torch.inference_mode()
+def verify_curve(args) -> dict:
+    """Cost of one target forward over k new tokens per row, relative to one token, at batch 1
+    (k up to 512) and batch 8 (8 x k up to 512): where verifying stops being free."""
     _, model, _ = load_target(args)
-    device = model.embed.weight.device
-    cache = model.new_cache(1, 128 + max(sizes))
-    model(torch.arange(128, device=device)[None], torch.arange(128, device=device)[None], cache)
-    ms = {}
-    for k in sizes:
-        times = []
-        for _ in range(repeats):
-            cache.length = 128
-            ids = torch.arange(k, device=device)[None]
-            t0 = time.perf_counter()
-            model(ids, ids + 128, cache)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        ms[k] = statistics.median(times) * 1000
-        print(f"k={k:3d}  {ms[k]:7.1f} ms  {ms[k] / ms[1]:5.2f}x", file=sys.stderr)
-    return {"dtype": args.dtype, "device": args.device, "ms": ms,
-            "relative": {k: round(v / ms[1], 3) for k, v in ms.items()}}
+    curves = {1: forward_costs(model, (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)),
+              8: forward_costs(model, (1, 2, 4, 8, 16, 32, 64), batch=8)}
+    base = curves[1][1]
+    print(f"{machine_name(args.device)}, {args.dtype}\n{'batch':>5}{'k':>5}{'tokens':>8}"
+          f"{'ms':>9}{'vs 1 token':>12}{'ms/token':>10}", file=sys.stderr)
+    for batch, ms in curves.items():
+        for k, t in ms.items():
+            print(f"{batch:5d}{k:5d}{batch * k:8d}{t:9.1f}{t / base:11.2f}x{t / (batch * k):10.2f}",
+                  file=sys.stderr)
+    return {"machine": machine_name(args.device), "dtype": args.dtype, "device": args.device,
+            "ms": {f"{b}x{k}": t for b, ms in curves.items() for k, t in ms.items()}}
 
 
 def main(argv=None):
@@ -469,7 +648,7 @@ def main(argv=None):
             return
         if args.bench:
             from bench import run_bench
-            report = run_bench(args, lambda m, t, tok: bench_decoder(args, m, t, tok))
+            report = run_bench(args, bench_decoder)
             if args.json and args.json != "-":
                 with open(args.json, "w") as f:
                     json.dump(report, f)

@@ -2,6 +2,7 @@
 cache against per-path runs, static trees against brute force, files, and training."""
 import itertools
 import json
+import os
 
 import pytest
 import torch
@@ -171,24 +172,29 @@ def test_training_smoke_loss_falls_and_saved_head_decodes_the_same(tmp_path):
     th.extract_features(target, TinyTokenizer(), rows, str(tmp_path / "f"), 8, 24, 64)
     seqs = th.load_features(str(tmp_path / "f"))
     assert len(seqs) == 40 and all(len(s.hidden) == len(s.tokens) - 1 for s in seqs)
-    for method in ("eagle", "medusa"):
+    for method, own in (("eagle", False), ("medusa", False), ("medusa", True)):
+        name = method + ("_own" if own else "")
         vocab = th.draft_vocabulary(seqs, 40, (0,))
         c = target.config
         config = HeadConfig(method, c.hidden_size, c.vocab_size, len(vocab), 3,
-                            eagle_layer_config(c) if method == "eagle" else {})
+                            eagle_layer_config(c) if method == "eagle" else {},
+                            own_projection=own)
         head = build_head(config, vocab)
         proj = projection(target, vocab)
-        loss = ((lambda b: th.eagle_loss(head, target.embed, proj, b, 3, 0.1)) if method == "eagle"
-                else (lambda b: th.medusa_loss(head, proj, b)))
+        if own:
+            with torch.no_grad():
+                head.proj.copy_(proj.expand_as(head.proj))
+        loss = ((lambda s: th.eagle_loss(head, target.embed, proj, th.make_batch(s), 3, 0.1))
+                if method == "eagle" else (lambda s: th.medusa_loss(head, proj, th.make_batch(s))))
         record = th.train(head, loss, seqs, th.TrainConfig(epochs=30, tokens_per_batch=256,
-                                                           lr=3e-3), str(tmp_path / method))
+                                                           lr=3e-3), str(tmp_path / name))
         first, last = record["losses"][:5], record["losses"][-5:]
         mean = lambda rows: sum(sum(r) / len(r) for r in rows) / len(rows)
         # soft cross-entropy cannot fall below the target's entropy; a clear drop is the signal
         assert mean(last) < mean(first) - 0.4, f"{method}: loss {mean(first)} -> {mean(last)}"
         config.accuracy = th.accuracy_table(target, head, method, seqs[:8], 3, 4)
-        save_head(head, config, str(tmp_path / f"{method}_out"), {"steps": record["step"]})
-        loaded, _ = load_head(str(tmp_path / f"{method}_out"), target, method)
+        save_head(head, config, str(tmp_path / f"{name}_out"), {"steps": record["step"]})
+        loaded, _ = load_head(str(tmp_path / f"{name}_out"), target, method)
         head = head.to(torch.bfloat16).float()           # the file holds 16-bit weights
         paths = best_paths(config.accuracy, 6)
         for h in (head, loaded):
@@ -220,12 +226,12 @@ def test_bench_reads_both_formats_and_names_bad_lines(tmp_path):
 
 
 def test_bench_table_arithmetic_on_a_synthetic_run():
-    from bench import Record, format_tables, summarize
+    from bench import Record, format_tables, format_temperatures, summarize
     R = Record
     records = [R("ar", "1", "x", 0, [1, 2, 3, 4], 4, 2.0), R("ar", "2", "y", 0, [5, 6], 2, 1.0),
                R("e", "1", "x", 0, [1, 2, 3, 4], 2, 0.5, [2, 1]),
                R("e", "2", "y", 0, [5, 7], 1, 1.0, [1])]
-    s = summarize(records, ["ar", "e"], {"e": 5.0}, 100.0)
+    s = summarize(records, ["ar", "e"], {"e": 5.0}, 100.0, {"e": "chain of 2"})
     e = s["methods"]["e"]
     assert e["tau"] == 6 / 3 and e["tokens_per_s"] == 6 / 1.5
     assert e["speedup"] == (6 / 1.5) / (6 / 3.0)
@@ -234,7 +240,10 @@ def test_bench_table_arithmetic_on_a_synthetic_run():
     assert s["categories"]["x"]["e"] == {"tau": 2.0, "speedup": (4 / 0.5) / (4 / 2.0)}
     assert s["categories"]["y"]["e"]["speedup"] == 1.0
     text = format_tables(s, ["ar", "e"])
-    assert "e            2.00      4.0    2.00x     5.0   5.0%     1/2" in text, text
+    row = "e" + " " * 11 + "chain of 2" + " " * 18 + "2.00      4.0    2.00x     5.0   5.0%     1/2"
+    assert row in text, text
+    runs = [{"temperature": 0.0, "summary": s}, {"temperature": 0.7, "summary": s}]
+    assert "e" + " " * 17 + "2.00 2.00x" + " " * 6 + "2.00 2.00x" in format_temperatures(runs, ["e"])
 
 
 # ---------------------------------------------------------------- the shipped weights
@@ -247,11 +256,12 @@ def default_target(default_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle2"])
-def test_shipped_heads_equal_plain_greedy_on_default_model_in_float32(default_target, method):
+@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle2", "draft"])
+def test_shipped_weights_equal_plain_greedy_on_default_model_in_float32(default_target, method):
     import spec
     target, tokenizer = default_target
-    args = spec.parse_args(["--method", method, "--dtype", "float32"])
+    # a fixed tree size: auto would time this machine, which is not what this test is about
+    args = spec.parse_args(["--method", method, "--dtype", "float32", "--tree-size", "8"])
     proposer, _ = spec.build_proposer(args, target, tokenizer, 1024)
     gen, taus = GenConfig(48), []
     for prompt in ["Write a short poem about the sea.", "How do vaccines work?"]:
@@ -260,7 +270,7 @@ def test_shipped_heads_equal_plain_greedy_on_default_model_in_float32(default_ta
         out = generate_spec(target, proposer, ids, gen, tokenizer.stop_ids)
         assert out.token_ids == plain, f"{method}: {prompt}"
         taus.append(out.tau)
-    assert min(taus) > 1.15, f"trained {method} heads should be accepted (untrained: ~1.0), tau {taus}"
+    assert min(taus) > 1.15, f"trained {method} should be accepted (untrained: ~1.0), tau {taus}"
 
 
 def test_training_time_test_unroll_equals_drafting_at_inference():
@@ -328,3 +338,106 @@ def test_sampling_with_heads_runs_through_tree_verification_and_is_seeded(kind):
     c = generate_spec(target, proposer, [1, 2, 3], GenConfig(30, 0.9, seed=4)).token_ids
     assert a == b and len(a) == 30, "same seed, same sample"
     assert a != c, "another seed should give another sample"
+
+
+# ---------------------------------------------------------------- the distilled draft model
+
+@pytest.mark.parametrize("case", ["attention_bias", "gqa_untied"])
+def test_hf_names_round_trip_to_the_checkpoint(tmp_path, case):
+    from safetensors.torch import load_file
+    from model import load_model, to_hf_names
+    from test_spec import HF_CASES, hf_checkpoint
+    hf_checkpoint(tmp_path, **HF_CASES[case])
+    ours = load_model(str(tmp_path), torch.float64)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    back = to_hf_names(ours.state_dict(), ours.config)
+    assert set(back) == set(saved)
+    for name, t in saved.items():
+        assert torch.equal(back[name].float(), t.float()), name
+
+
+def test_distilled_draft_trains_and_saves_a_folder_transformers_loads(tmp_path):
+    import copy
+    import transformers
+    import train_heads as th
+    from heads import draft_folder, init_draft, save_draft
+    from model import load_model
+    from proposers import DraftModelProposer
+    from test_spec import hf_checkpoint
+    hf_checkpoint(tmp_path / "target", tie_word_embeddings=True)
+    target = load_model(str(tmp_path / "target"), torch.float64).requires_grad_(False)
+    with torch.no_grad():                    # peaky target: something for the draft to learn
+        for p in target.layers.parameters():  # (embeddings stay as on disk: the draft shares them)
+            p.mul_(4.0) if p.dim() == 2 else None
+    rows = [(f"q{i} {'ab' * (i % 5)}", None) for i in range(40)]
+    th.extract_features(target, TinyTokenizer(), rows, str(tmp_path / "f"), 8, 24, 64)
+    seqs = th.load_features(str(tmp_path / "f"))
+    target = target.float()                  # what train_heads.py trains against
+    draft = init_draft(target, 1)
+    assert [n for n, p in draft.named_parameters() if p.requires_grad and "embed" in n] == []
+    record = th.train(draft, lambda s: th.draft_loss(draft, s), seqs,
+                      th.TrainConfig(epochs=20, tokens_per_batch=256, lr=3e-3), str(tmp_path / "ck"))
+    kl = [r[0] for r in record["losses"]]
+    assert sum(kl[-5:]) / 5 < 0.7 * sum(kl[:5]) / 5, f"KL {kl[:5]} -> {kl[-5:]}"
+
+    save_draft(draft, str(tmp_path / "target"), str(tmp_path / "out"), {"steps": 1},
+               embeddings=False)
+    folder = draft_folder(str(tmp_path / "out"), str(tmp_path / "target"), str(tmp_path / "cache"))
+    assert folder != str(tmp_path / "out"), "a folder without embeddings must be completed"
+    ours = load_model(folder, torch.float64)
+    hf = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+    rounded = copy.deepcopy(draft).double()
+    with torch.no_grad():
+        for p in rounded.parameters():                          # the file holds 16-bit weights
+            p.copy_(p.bfloat16())
+    ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got = ours(ids, torch.arange(20)[None], ours.new_cache(1, 32))[0]
+        want = rounded(ids, torch.arange(20)[None], rounded.new_cache(1, 32))[0]
+        assert torch.allclose(got, hf(ids).logits, atol=1e-6), "transformers reads another model"
+    assert torch.allclose(got, want, atol=1e-6), "the saved draft is not the trained one"
+    target = target.double()
+    prop = DraftModelProposer(ours, DraftConfig(3), 256)
+    assert (generate_spec(target, prop, [5, 9, 3], GenConfig(20)).token_ids ==
+            generate_ar(target, [5, 9, 3], GenConfig(20)).token_ids)
+
+
+# ---------------------------------------------------------------- --tree-size auto
+
+def test_expected_length_of_a_known_table():
+    from heads import expected_length
+    accuracy = [[0.5, 0.2], [0.6, 0.1]]
+    # best 2 nodes: (0,) 0.5 and (0, 0) 0.3; the 3rd: (1,) 0.2 beats (0, 1) 0.05
+    assert expected_length(accuracy, 2) == pytest.approx(1 + 0.5 + 0.3)
+    assert expected_length(accuracy, 3) == pytest.approx(1 + 0.5 + 0.3 + 0.2)
+
+
+def test_auto_tree_size_picks_the_optimum_of_a_synthetic_curve():
+    import numpy as np
+    from heads import choose_tree_size
+    expected = {n: 1 + 2.2 * (1 - 0.85 ** n) for n in range(1, 49)}      # saturating acceptance
+    measured = {1: 20.0, 4: 21.0, 8: 24.0, 16: 34.0, 32: 58.0, 49: 90.0}  # flat, then linear
+    for draft_ms in (0.0, 9.0, 40.0):
+        n, speed, _ = choose_tree_size(expected, measured, draft_ms)
+        ks = sorted(measured)
+        brute = {m: e / (draft_ms + np.interp(m + 1, ks, [measured[k] for k in ks]))
+                 for m, e in expected.items()}
+        assert n == max(brute, key=brute.get)
+        assert speed[n] == pytest.approx(1000 * brute[n])
+    # a costlier draft makes bigger trees pay: the choice must move up
+    assert choose_tree_size(expected, measured, 40.0)[0] > choose_tree_size(expected, measured, 0.0)[0]
+
+
+@pytest.mark.slow
+def test_tree_size_auto_runs_end_to_end_and_stays_lossless(default_target, monkeypatch, capsys):
+    import spec
+    target, tokenizer = default_target
+    # a synthetic verify-cost curve: flat up to 8 tokens, then steep; no cache file written
+    monkeypatch.setattr(spec, "verify_costs", lambda args, model: {1: 20.0, 9: 21.0, 17: 60.0,
+                                                                   49: 200.0})
+    args = spec.parse_args(["--method", "eagle2", "--dtype", "float32", "--tree-size", "auto"])
+    proposer, info = spec.build_proposer(args, target, tokenizer, 1024)
+    assert 1 <= info["tree_size"] <= 16 and "<- chosen" in capsys.readouterr().err
+    ids = tokenizer.chat_prompt("Name three rivers.")
+    assert (generate_spec(target, proposer, ids, GenConfig(32), tokenizer.stop_ids).token_ids ==
+            generate_ar(target, ids, GenConfig(32), tokenizer.stop_ids).token_ids)

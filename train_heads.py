@@ -1,11 +1,14 @@
-"""Train draft heads (EAGLE, Medusa) on the target's own outputs.
+"""Train draft heads (EAGLE, Medusa) and a distilled draft model on the target's own outputs.
 
     python train_heads.py --method eagle --data prompts.jsonl --out weights/smollm2-135m-eagle
+    python train_heads.py --method draft --data prompts.jsonl --out my-draft   # a HF Llama folder
 
 Two stages, both resumable:
   1. features: the target reads (or, for prompt-only lines, first writes) each conversation; its
      tokens and final hidden states go to FEATURES/shard_*.safetensors in 16-bit.
-  2. training: the proposer learns from those shards; checkpoints every few minutes.
+  2. training: the proposer learns from those shards (EAGLE and Medusa: cross-entropy against the
+     target's greedy token; the draft model: KL to the target's full distribution, computed from
+     the cached feature through the target's lm_head); checkpoints every few minutes.
 At the end tau is measured with the real decoding loop on held-out prompts and written, with the
 data, steps, wall time and losses, to OUT/training.json.
 
@@ -270,17 +273,62 @@ def eagle_loss(head, embed, proj, b: Batch, steps: int, feature_weight: float) -
 
 def medusa_loss(heads, proj, b: Batch) -> tuple:
     """Head m on the feature at i predicts token i + 2 + m, the target's greedy token there."""
-    out = heads(b.feats)                                               # (B, L, M, C)
+    logits = heads.logits(b.feats, proj)                               # (B, L, M, R)
     labels = torch.zeros(b.loss_mask.shape, dtype=torch.long)
     labels[b.loss_mask] = greedy_labels(b.target[b.loss_mask], proj)    # (B, L): token i + 2
     total, ces = 0.0, []
-    for m in range(out.shape[2]):
+    for m in range(logits.shape[2]):
         L = b.feats.shape[1] - m
         mask = b.loss_mask[:, m:]                                      # token i + 2 + m is known
-        logits = (out[:, :L, m][mask] @ proj.T).float()
-        ce = torch.nn.functional.cross_entropy(logits, labels[:, m:][mask])
+        ce = torch.nn.functional.cross_entropy(logits[:, :L, m][mask].float(),
+                                               labels[:, m:][mask])
         total, ces = total + ce, ces + [float(ce.detach())]
-    return total / out.shape[2], ces
+    return total / logits.shape[2], ces
+
+
+def draft_batch(seqs: list) -> tuple:
+    """-> tokens (B, L), the target's features there (B, L, C), loss mask (B, L): entry i reads
+    token i and predicts token i + 1, an answer token."""
+    L = max(len(s.hidden) for s in seqs)
+    tokens = torch.zeros(len(seqs), L, dtype=torch.long)
+    feats = torch.zeros(len(seqs), L, seqs[0].hidden.shape[1])
+    mask = torch.zeros(len(seqs), L, dtype=torch.bool)
+    for r, s in enumerate(seqs):
+        n = len(s.hidden)
+        tokens[r, :n], feats[r, :n] = s.tokens[:n], s.hidden.float()
+        mask[r, s.prompt_len - 1:n] = True
+    return tokens, feats, mask
+
+
+def draft_hidden(draft, tokens) -> torch.Tensor:
+    """Llama.forward for training: tokens (B, L) -> final features (B, L, C), causal. Each layer
+    gets fresh K/V buffers: in one shared cache tensor a later layer's write would bump the
+    version of what earlier layers saved for backward, and autograd refuses that."""
+    from kernels import attention_mask
+    from model import rope_cos_sin
+    B, L = tokens.shape
+    c = draft.config
+    cos, sin = rope_cos_sin(draft.inv_freq, torch.arange(L)[None].expand(B, L), torch.float32)
+    mask = attention_mask(0, L, None, tokens.device)                           # (L, L) causal
+    x = draft.embed(tokens)                                                    # (B, L, C)
+    for layer in draft.layers:
+        k, v = (x.new_zeros(B, c.num_kv_heads, L, c.head_dim) for _ in range(2))
+        x = layer(x, cos, sin, k, v, 0, mask)
+    return draft.norm(x)
+
+
+def draft_loss(draft, seqs: list) -> tuple:
+    """KL(target || draft) over the full vocabulary at every answer position; -> (loss, [kl,
+    top-1 agreement]). The target's distribution is its lm_head over the cached feature."""
+    tokens, feats, mask = draft_batch(seqs)
+    hidden = draft_hidden(draft, tokens)                                       # (B, L, C)
+    W = draft.lm_head.weight                                                   # (V, C) frozen
+    log_q = (hidden[mask] @ W.T).float().log_softmax(-1)                       # (n, V)
+    with torch.no_grad():
+        log_p = (feats[mask] @ W.T).float().log_softmax(-1)                    # (n, V)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+    agree = (log_q.argmax(-1) == log_p.argmax(-1)).float().mean()
+    return kl, [float(kl.detach()), float(agree)]
 
 
 # ---------------------------------------------------------------- the training loop
@@ -298,7 +346,9 @@ class TrainConfig:
 
 
 def train(head, loss_fn, seqs: list, tc: TrainConfig, out: str) -> dict:
-    """AdamW, linear warm-up and decay; resumes from OUT/checkpoint.pt; -> training record."""
+    """AdamW, linear warm-up and decay; resumes from OUT/checkpoint.pt; -> training record.
+
+    loss_fn(list of Seq) -> (loss, [numbers to log]); only parameters that require grad learn."""
     g = torch.Generator().manual_seed(tc.seed)
     per_epoch = len(batches(seqs, tc.tokens_per_batch, g))
     total = max(int(per_epoch * tc.epochs), 1)
@@ -323,7 +373,7 @@ def train(head, loss_fn, seqs: list, tc: TrainConfig, out: str) -> dict:
         epoch, index = divmod(state["step"], per_epoch)
         order = batches(seqs, tc.tokens_per_batch, torch.Generator().manual_seed(tc.seed + epoch))
         with torch.autocast("cpu", torch.bfloat16, enabled=tc.bf16):
-            loss, ces = loss_fn(make_batch([seqs[i] for i in order[index]]))
+            loss, ces = loss_fn([seqs[i] for i in order[index]])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step(), opt.zero_grad()
@@ -372,17 +422,17 @@ def accuracy_table(target, head, kind: str, seqs: list, depth: int, ranks: int =
         b = make_batch(seqs[i:i + 16])
         label = target.lm_head(b.target.to(target.lm_head.weight.dtype)).argmax(-1)   # (B, L)
         if kind == "eagle":
-            outs = [o for o in eagle_unroll(head, target.embed, b, depth)]
+            outs = [o.float() @ proj.T for o in eagle_unroll(head, target.embed, b, depth)]
         else:
-            feats = head(b.feats.to(target.lm_head.weight.dtype))                    # (B, L, M, C)
-            outs = [feats[:, :, m] for m in range(feats.shape[2])]
-        for d, out in enumerate(outs[:depth]):
+            logits = head.logits(b.feats.to(target.lm_head.weight.dtype), proj)      # (B, L, M, R)
+            outs = [logits[:, :, m].float() for m in range(logits.shape[2])]
+        for d, logits in enumerate(outs[:depth]):
             shift = d if kind == "medusa" else 0
             L = b.feats.shape[1] - shift
             mask = b.loss_mask[:, shift:].clone()
             if kind == "eagle":
                 mask[:, :d] = False
-            logits = out[:, :L].float() @ proj.T                                  # (B, L, R)
+            logits = logits[:, :L]                                                # (B, L, R)
             lab = label[:, shift:]
             where = torch.searchsorted(head.vocab_ids, lab).clamp(max=len(head.vocab_ids) - 1)
             inside = head.vocab_ids[where] == lab
@@ -406,9 +456,9 @@ def head_projection(target, head) -> torch.Tensor:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     d = TrainConfig()
-    p.add_argument("--method", choices=["eagle", "medusa"], required=True,
+    p.add_argument("--method", choices=["eagle", "medusa", "draft"], required=True,
                    help="what to train: the EAGLE head (used by spec.py --method eagle and "
-                        "eagle2) or Medusa heads")
+                        "eagle2), Medusa heads, or a distilled draft model (--method draft)")
     p.add_argument("--data", required=True,
                    help="JSONL with `prompt` (the target writes the answer) or `messages`")
     p.add_argument("--out", required=True, help="folder for the trained weights")
@@ -426,6 +476,16 @@ def parse_args(argv=None):
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="R: the heads predict over the R most frequent answer tokens")
     p.add_argument("--heads", type=int, default=4, help="Medusa: number of heads")
+    p.add_argument("--own-projection", action="store_true",
+                   help="Medusa: every head trains its own projection (Medusa-1) instead of "
+                        "sharing the target's frozen one; heads x draft vocab x hidden more "
+                        "parameters")
+    p.add_argument("--layers", type=int, default=4,
+                   help="draft: decoder layers, started from evenly spaced target layers")
+    p.add_argument("--without-embeddings", action="store_true",
+                   help="draft: leave the (frozen, target-equal) embedding matrix out of the "
+                        "saved folder; spec.py rebuilds it from the target at first use. This "
+                        "is how the shipped draft is stored")
     p.add_argument("--held-out", type=int, default=128,
                    help="sequences kept out of training to measure accuracy and tau")
     p.add_argument("--tau-prompts", type=int, default=10, help="held-out prompts decoded for tau")
@@ -469,7 +529,6 @@ def main(argv=None):
 
 
 def train_and_save(args, model_path: str, features: str, tokenizer) -> None:
-    from heads import HeadConfig, build_head, eagle_layer_config, projection, save_head
     from model import load_model
     torch.manual_seed(args.seed)
     target = load_model(model_path, torch.float32).requires_grad_(False)
@@ -479,38 +538,73 @@ def train_and_save(args, model_path: str, features: str, tokenizer) -> None:
                          f"{args.held_out}")
     train_seqs, held = seqs[:-args.held_out], seqs[-args.held_out:]
     os.makedirs(args.out, exist_ok=True)
+    tc = TrainConfig(epochs=args.epochs, minutes=args.minutes, lr=args.lr,
+                     tokens_per_batch=args.tokens_per_batch, steps=args.steps,
+                     feature_weight=args.feature_weight, seed=args.seed)
+    run = train_draft if args.method == "draft" else train_head
+    info = {"method": args.method, "data": os.path.abspath(args.data), "features": features,
+            "train_sequences": len(train_seqs), "held_out_sequences": len(held),
+            "train_tokens": sum(len(s.tokens) for s in train_seqs), "config": vars(args)}
+    info |= run(args, tc, target, model_path, train_seqs, held, tokenizer, info)
+    print(json.dumps({k: info[k] for k in ("steps", "wall_seconds", "final_ce", "held_out_tau")}))
+
+
+def record_fields(record: dict) -> dict:
+    return {"steps": record["step"], "total_steps": record["total_steps"],
+            "wall_seconds": round(record["seconds"]),
+            "final_ce": [round(sum(x) / len(x), 4) for x in zip(*record["losses"][-50:])],
+            "commit": git_commit()}
+
+
+def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) -> dict:
+    from heads import HeadConfig, build_head, eagle_layer_config, projection, save_head
     ckpt = os.path.join(args.out, "checkpoint.pt")
     vocab = (torch.load(ckpt, weights_only=False)["head"]["vocab_ids"] if os.path.exists(ckpt)
              else draft_vocabulary(train_seqs, args.draft_vocab, tokenizer.stop_ids))
     c = target.config
     config = HeadConfig(args.method, c.hidden_size, c.vocab_size, len(vocab), args.heads,
-                        eagle_layer_config(c) if args.method == "eagle" else {})
+                        eagle_layer_config(c) if args.method == "eagle" else {},
+                        own_projection=args.own_projection)
     head = build_head(config, vocab)
     proj = projection(target, vocab)                                       # (R, C)
-    tc = TrainConfig(epochs=args.epochs, minutes=args.minutes, lr=args.lr,
-                     tokens_per_batch=args.tokens_per_batch, steps=args.steps,
-                     feature_weight=args.feature_weight, seed=args.seed)
+    if config.own_projection:
+        with torch.no_grad():
+            head.proj.copy_(proj.expand_as(head.proj))                    # start as the target's
     if args.method == "eagle":
-        def loss_fn(b):
-            return eagle_loss(head, target.embed, proj, b, tc.steps, tc.feature_weight)
+        def loss_fn(seqs):
+            return eagle_loss(head, target.embed, proj, make_batch(seqs), tc.steps,
+                              tc.feature_weight)
     else:
-        def loss_fn(b):
-            return medusa_loss(head, proj, b)
+        def loss_fn(seqs):
+            return medusa_loss(head, proj, make_batch(seqs))
     record = train(head, loss_fn, train_seqs, tc, args.out)
     head.eval()
     depth = max(tc.steps, 6) if args.method == "eagle" else args.heads
     config.accuracy = [[round(a, 4) for a in row]
                        for row in accuracy_table(target, head, args.method, held, depth)]
     tau = held_out_tau(args, target, head, config, held, tokenizer)
-    info = {"method": args.method, "data": os.path.abspath(args.data), "features": features,
-            "train_sequences": len(train_seqs), "held_out_sequences": len(held),
-            "train_tokens": sum(len(s.tokens) for s in train_seqs),
-            "config": vars(args), "steps": record["step"], "total_steps": record["total_steps"],
-            "wall_seconds": round(record["seconds"]),
-            "final_ce": [round(sum(x) / len(x), 4) for x in zip(*record["losses"][-50:])],
-            "accuracy_depth_rank": config.accuracy, "held_out_tau": tau, "commit": git_commit()}
+    info = info | record_fields(record) | {"accuracy_depth_rank": config.accuracy,
+                                           "held_out_tau": tau}
     save_head(head, config, args.out, info)
-    print(json.dumps({k: info[k] for k in ("steps", "wall_seconds", "final_ce", "held_out_tau")}))
+    return info
+
+
+def train_draft(args, tc, target, model_path, train_seqs, held, tokenizer, info) -> dict:
+    """The distilled draft: KL to the target from its cached features; a standard HF folder."""
+    from heads import init_draft, save_draft
+    from proposers import DraftConfig, DraftModelProposer
+    draft = init_draft(target, args.layers)
+    record = train(draft, lambda seqs: draft_loss(draft, seqs), train_seqs, tc, args.out)
+    draft.eval()
+    with torch.no_grad():
+        agree = [draft_loss(draft, held[i:i + 16])[1][1] for i in range(0, len(held), 16)]
+    seqs = held[:args.tau_prompts]
+    tau = {f"chain_{d}": round(measure_tau(target, DraftModelProposer(draft, DraftConfig(d), 512),
+                                           seqs, 64, tokenizer.stop_ids), 3) for d in (3, 5)}
+    info = info | record_fields(record) | {"held_out_top1_agreement": round(sum(agree) / len(agree), 4),
+                                           "held_out_tau": tau}
+    save_draft(draft, model_path, args.out, info, embeddings=not args.without_embeddings)
+    return info
 
 
 def held_out_tau(args, target, head, config, held: list, tokenizer) -> dict:
