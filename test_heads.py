@@ -441,3 +441,45 @@ def test_tree_size_auto_runs_end_to_end_and_stays_lossless(default_target, monke
     ids = tokenizer.chat_prompt("Name three rivers.")
     assert (generate_spec(target, proposer, ids, GenConfig(32), tokenizer.stop_ids).token_ids ==
             generate_ar(target, ids, GenConfig(32), tokenizer.stop_ids).token_ids)
+
+
+@pytest.mark.parametrize("soft", [False, True])
+def test_medusa_loss_equals_a_per_position_loop(soft):
+    import train_heads as th
+    from heads import projection
+    target = tiny_model(4)
+    heads = random_medusa(target, heads=2)
+    g = torch.Generator().manual_seed(5)
+    seqs = [th.Seq(torch.randint(1, 61, (n,), generator=g), torch.randn(n - 1, 32, generator=g,
+                   dtype=torch.float64), p) for n, p in ((9, 3), (7, 2))]
+    b = th.make_batch(seqs)
+    b.feats, b.target = b.feats.double(), b.target.double()
+    proj = projection(target, heads.vocab_ids)
+    got = th.medusa_loss(heads, proj, b, soft)[1]
+    for m in range(2):                   # head m at entry i: token i + 2 + m, from feature i + 1 + m
+        terms = []
+        for s in seqs:
+            for i in range(max(s.prompt_len - 2 - m, 0), len(s.hidden) - 1 - m):
+                log_q = (heads(s.hidden[i])[m] @ proj.T).log_softmax(-1)
+                p = (s.hidden[i + 1 + m] @ proj.T).softmax(-1)
+                terms.append(-(p * log_q).sum() if soft else -log_q[p.argmax()])
+        assert got[m] == pytest.approx(float(sum(terms) / len(terms)), rel=1e-6), (m, soft)
+
+
+def test_eagle_soft_loss_at_the_first_step_equals_a_per_position_loop():
+    import train_heads as th
+    from heads import projection
+    target = tiny_model(4)
+    head = random_eagle(target)
+    g = torch.Generator().manual_seed(6)
+    seqs = [th.Seq(torch.randint(1, 61, (n,), generator=g), torch.randn(n - 1, 32, generator=g,
+                   dtype=torch.float64), p) for n, p in ((9, 3), (7, 2))]
+    b = th.make_batch(seqs)
+    b.feats, b.target = b.feats.double(), b.target.double()
+    proj = projection(target, head.vocab_ids)
+    got = th.eagle_loss(head, target.embed, proj, b, 2, 0.0, soft=True)[1][0]
+    out = th.eagle_unroll(head, target.embed, b, 1)[0]                  # (B, L, C)
+    rows = b.loss_mask.nonzero().tolist()
+    want = sum(-((b.target[r, i] @ proj.T).softmax(-1) * (out[r, i] @ proj.T).log_softmax(-1)).sum()
+               for r, i in rows) / len(rows)
+    assert got == pytest.approx(float(want), rel=1e-6)

@@ -217,13 +217,16 @@ def batches(seqs: list, tokens_per_batch: int, generator) -> list:
 
 # ---------------------------------------------------------------- losses
 
-def greedy_labels(target_feats, proj) -> torch.Tensor:
-    """(n, C) target features -> (n,) index into the draft vocab of the target's greedy token.
+def teacher(target_feats, proj, soft: bool = False) -> torch.Tensor:
+    """(n, C) target features -> what the head learns there, for F.cross_entropy: the index of
+    the target's greedy token in the draft vocab (n,), or with soft its distribution over the
+    draft vocab (n, R), renormalized there (the issue's soft cross-entropy).
 
-    Hard labels: at temperature 0 acceptance only asks the head to rank the target's argmax
-    first, and the target's argmax over the draft vocab costs one matmul per batch, where a soft
-    cross-entropy costs a softmax over (n, R) at every unrolled step (measured 2x slower)."""
-    return (target_feats @ proj.T).argmax(-1)
+    Hard labels are the default: at temperature 0 acceptance only asks the head to rank the
+    target's argmax first, and measured here the soft targets made training 2x slower (a softmax
+    over (n, R) at every unrolled step)."""
+    logits = target_feats @ proj.T                                     # (n, R)
+    return logits.float().softmax(-1) if soft else logits.argmax(-1)
 
 
 def ttt_mask(L: int, j: int) -> torch.Tensor:
@@ -256,32 +259,31 @@ def widen(x: torch.Tensor, L: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(*x.shape[:3], L, x.shape[4])], dim=3)
 
 
-def eagle_loss(head, embed, proj, b: Batch, steps: int, feature_weight: float) -> tuple:
+def eagle_loss(head, embed, proj, b: Batch, steps: int, feature_weight: float,
+               soft: bool = False) -> tuple:
     """Cross-entropy (+ smooth L1 on the feature) at every unrolled step; -> (loss, [ce])."""
-    labels = torch.zeros(b.loss_mask.shape, dtype=torch.long)
-    labels[b.loss_mask] = greedy_labels(b.target[b.loss_mask], proj)    # (B, L)
+    teach = teacher(b.target[b.loss_mask], proj, soft)                 # loss rows, row-major
+    col = b.loss_mask.nonzero()[:, 1]                                  # their positions
     total, ces = 0.0, []
     for j, out in enumerate(eagle_unroll(head, embed, b, steps)):
         mask = b.loss_mask.clone()
         mask[:, :j] = False                                            # no root before the start
         out = out[mask]                                                # (n, C): loss rows only
-        ce = torch.nn.functional.cross_entropy((out @ proj.T).float(), labels[mask])
+        ce = torch.nn.functional.cross_entropy((out @ proj.T).float(), teach[col >= j])
         fl = torch.nn.functional.smooth_l1_loss(out.float(), b.target[mask])
         total, ces = total + ce + feature_weight * fl, ces + [float(ce.detach())]
     return total / steps, ces
 
 
-def medusa_loss(heads, proj, b: Batch) -> tuple:
+def medusa_loss(heads, proj, b: Batch, soft: bool = False) -> tuple:
     """Head m on the feature at i predicts token i + 2 + m, the target's greedy token there."""
     logits = heads.logits(b.feats, proj)                               # (B, L, M, R)
-    labels = torch.zeros(b.loss_mask.shape, dtype=torch.long)
-    labels[b.loss_mask] = greedy_labels(b.target[b.loss_mask], proj)    # (B, L): token i + 2
     total, ces = 0.0, []
     for m in range(logits.shape[2]):
         L = b.feats.shape[1] - m
         mask = b.loss_mask[:, m:]                                      # token i + 2 + m is known
-        ce = torch.nn.functional.cross_entropy(logits[:, :L, m][mask].float(),
-                                               labels[:, m:][mask])
+        teach = teacher(b.target[:, m:][mask], proj, soft)             # from the feature at i + 1 + m
+        ce = torch.nn.functional.cross_entropy(logits[:, :L, m][mask].float(), teach)
         total, ces = total + ce, ces + [float(ce.detach())]
     return total / logits.shape[2], ces
 
@@ -341,6 +343,7 @@ class TrainConfig:
     tokens_per_batch: int = 4096   # padded tokens per optimizer step
     steps: int = 4                 # EAGLE: unrolled drafting steps (training-time test)
     feature_weight: float = 0.1    # EAGLE: weight of the smooth-L1 feature loss
+    soft_labels: bool = False      # EAGLE, Medusa: the target's distribution, not its argmax
     bf16: bool = True              # autocast matmuls to bfloat16 (about 2x faster on these CPUs)
     seed: int = 0
 
@@ -499,6 +502,9 @@ def parse_args(argv=None):
                    help="EAGLE: drafting steps unrolled in training (EAGLE-3's training-time test)")
     p.add_argument("--feature-weight", type=float, default=d.feature_weight,
                    help="EAGLE: weight of the feature regression loss")
+    p.add_argument("--soft-labels", action="store_true",
+                   help="EAGLE, Medusa: learn the target's whole distribution (soft cross-entropy) "
+                        "instead of its greedy token; about 2x slower per step")
     p.add_argument("--seed", type=int, default=d.seed, help="shuffling and initialization seed")
     return p.parse_args(argv)
 
@@ -540,7 +546,8 @@ def train_and_save(args, model_path: str, features: str, tokenizer) -> None:
     os.makedirs(args.out, exist_ok=True)
     tc = TrainConfig(epochs=args.epochs, minutes=args.minutes, lr=args.lr,
                      tokens_per_batch=args.tokens_per_batch, steps=args.steps,
-                     feature_weight=args.feature_weight, seed=args.seed)
+                     feature_weight=args.feature_weight, soft_labels=args.soft_labels,
+                     seed=args.seed)
     run = train_draft if args.method == "draft" else train_head
     info = {"method": args.method, "data": os.path.abspath(args.data), "features": features,
             "train_sequences": len(train_seqs), "held_out_sequences": len(held),
@@ -573,10 +580,10 @@ def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) 
     if args.method == "eagle":
         def loss_fn(seqs):
             return eagle_loss(head, target.embed, proj, make_batch(seqs), tc.steps,
-                              tc.feature_weight)
+                              tc.feature_weight, tc.soft_labels)
     else:
         def loss_fn(seqs):
-            return medusa_loss(head, proj, make_batch(seqs))
+            return medusa_loss(head, proj, make_batch(seqs), tc.soft_labels)
     record = train(head, loss_fn, train_seqs, tc, args.out)
     head.eval()
     depth = max(tc.steps, 6) if args.method == "eagle" else args.heads
