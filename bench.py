@@ -104,10 +104,10 @@ def identical(records: list, base: str, method: str) -> list:
 
 
 def format_tables(summary: dict, methods: list) -> str:
-    lines = [f"{'method':<12}{'configuration':<26}{'tau':>6}{'tok/s':>9}{'speedup':>9}{'+MB':>8}"
+    lines = [f"{'method':<14}{'configuration':<28}{'tau':>6}{'tok/s':>9}{'speedup':>9}{'+MB':>8}"
              f"{'+%':>7}{'identical':>11}"]
     for m, s in summary["methods"].items():
-        lines.append(f"{m:<12}{s['config']:<26}{s['tau']:6.2f}{s['tokens_per_s']:9.1f}"
+        lines.append(f"{m:<14}{s['config']:<28}{s['tau']:6.2f}{s['tokens_per_s']:9.1f}"
                      f"{s['speedup']:8.2f}x"
                      f"{s['memory_mb']:8.1f}{s['memory_pct']:6.1f}%"
                      f"{s['identical'][0]:>6}/{s['identical'][1]}")
@@ -119,7 +119,7 @@ def format_tables(summary: dict, methods: list) -> str:
     lines += ["", "acceptance by draft position (fraction of steps)"]
     for m, s in summary["methods"].items():
         if s["acceptance_by_position"]:
-            lines.append(f"{m:<12}" + " ".join(f"{a:.2f}" for a in s["acceptance_by_position"]))
+            lines.append(f"{m:<14}" + " ".join(f"{a:.2f}" for a in s["acceptance_by_position"]))
     return "\n".join(lines)
 
 
@@ -175,10 +175,10 @@ def run_bench(args, build) -> dict:
 
 def format_temperatures(runs: list, methods: list) -> str:
     """tau and speedup of each method at each temperature, one line per method."""
-    lines = ["tau / speedup by temperature", f"{'method':<12}" +
+    lines = ["tau / speedup by temperature", f"{'method':<14}" +
              "".join(f"{'T=' + format(r['temperature'], 'g'):>16}" for r in runs)]
     for m in methods:
-        lines.append(f"{m:<12}" + "".join(
+        lines.append(f"{m:<14}" + "".join(
             f"{r['summary']['methods'][m]['tau']:10.2f} {r['summary']['methods'][m]['speedup']:4.2f}x"
             for r in runs))
     return "\n".join(lines)

@@ -16,7 +16,7 @@ import torch
 
 from kernels import target_probs, sample
 from model import Llama, LlamaConfig, linear, pack
-from tree import Tree, ancestor_mask, chain, grow_tree
+from tree import Tree, add_chain, ancestor_mask, chain, grow_tree
 
 
 @dataclass
@@ -282,3 +282,26 @@ class MedusaProposer:
 
     def commit(self, tree: Tree, accepted: torch.Tensor, hidden=None) -> None:
         self.feature = hidden[accepted[-1].to(hidden.device)]
+
+
+class LookupEagleProposer:
+    """EAGLE-2's tree plus prompt lookup's chain as one more branch from the root, checked by the
+    same verify pass: lookup is strong exactly where the head is weak (copying from the input),
+    and a few more tokens cost little to verify."""
+
+    def __init__(self, eagle: EagleProposer, lookup: PromptLookupProposer):
+        self.eagle, self.lookup = eagle, lookup
+        self.max_nodes = eagle.max_nodes + lookup.depth
+
+    def start(self, prompt_ids: list, hidden=None) -> None:
+        self.eagle.start(prompt_ids, hidden)
+        self.lookup.start(prompt_ids)
+
+    def propose(self, root: int, gen, generator) -> tuple:
+        tree, _ = self.eagle.propose(root, gen, generator)
+        chain_tree, _ = self.lookup.propose(root, gen, generator)
+        return add_chain(tree, chain_tree.tokens[1:].tolist()), None
+
+    def commit(self, tree: Tree, accepted: torch.Tensor, hidden=None) -> None:
+        self.eagle.commit(tree, accepted, hidden)             # both read only the accepted path
+        self.lookup.commit(tree, accepted, hidden)

@@ -2,6 +2,8 @@
 
     python spec.py --method ar          plain greedy/sampled decoding, the baseline
     python spec.py --method draft       a smaller draft model proposes, the target verifies
+    python spec.py --method eagle2      EAGLE-2: a head on the target's features grows a tree
+    python spec.py --bench PROMPTS.jsonl --methods ar,ngram,eagle2,eagle2+ngram --peers
 
 Dimensions: T tokens, N tree nodes, V vocab.
 """
@@ -20,14 +22,15 @@ from kernels import accept_chain_sampled, accept_tree, next_tokens, target_probs
 from tree import ancestor_mask, positions, retrieve_indices
 
 DEFAULT_PROMPT = "What is the capital of France?"
-METHODS = ["ar", "draft", "ngram", "medusa", "eagle", "eagle2"]
+METHODS = ["ar", "draft", "ngram", "medusa", "eagle", "eagle2", "eagle2+ngram"]
 # (depth, top-k, tree size) per method, chosen by measurement on the default model (README)
 # (depth, top-k, tree size) per method, measured on the MT-bench prompts (README). Tree sizes
 # of the head methods are chosen per machine: auto beat every fixed size tried (eagle2 1.12x
 # over ar with 5 nodes vs 1.09x with 8; medusa 1.04x vs 0.93x; eagle 1.01x vs 0.95x); with
 # 5-node trees a 4th EAGLE-2 round rarely pays (depth 3: 1.16x, depth 4: 1.12x)
 TREE_DEFAULTS = {"draft": (4, 1, 0), "ngram": (4, 1, 0), "medusa": (4, 1, "auto"),
-                 "eagle": (5, 1, "auto"), "eagle2": (3, 4, "auto")}
+                 "eagle": (5, 1, "auto"), "eagle2": (3, 4, "auto"),
+                 "eagle2+ngram": (3, 4, "auto")}
 WEIGHTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights")
 
 
@@ -182,6 +185,12 @@ def build_proposer(args, target, tokenizer, slots):
     from tokenizer import load_tokenizer
     if args.method in ("medusa", "eagle", "eagle2"):
         return head_proposer(args, target, slots, tokenizer)
+    if args.method == "eagle2+ngram":
+        from proposers import LookupEagleProposer
+        eagle, info = head_proposer(argparse.Namespace(**{**vars(args), "method": "eagle2"}),
+                                    target, slots, tokenizer)
+        lookup = PromptLookupProposer(TREE_DEFAULTS["ngram"][0], args.ngram_max)
+        return LookupEagleProposer(eagle, lookup), info
     if args.method == "ngram":
         proposer = PromptLookupProposer(args.num_speculative_tokens, args.ngram_max)
         return proposer, {"draft": f"prompt lookup, n <= {args.ngram_max}", "draft_params": 0,
@@ -390,7 +399,8 @@ def parse_args(argv=None):
                    help="decoding method: ar = plain decoding, draft = draft-model speculation, "
                         "ngram = prompt lookup (the continuation of an earlier match), medusa = "
                         "Medusa heads, eagle = EAGLE head with a static tree, eagle2 = EAGLE head "
-                        "with EAGLE-2's dynamic tree")
+                        "with EAGLE-2's dynamic tree, eagle2+ngram = that tree plus the prompt "
+                        "lookup chain as one more branch")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message (or raw text)")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, no chat template")
     p.add_argument("--max-new-tokens", type=int, default=GenConfig.max_new_tokens,
@@ -522,7 +532,8 @@ def bench_decoder(args, method: str, target, tokenizer) -> tuple:
                                     target.config.max_positions + extra + 1)
     depth, top_k = margs.num_speculative_tokens, margs.draft_top_k
     size = info.get("tree_size") or margs.tree_size or depth * top_k
-    config = (f"{depth} x top-{top_k}, {size} nodes" if method == "eagle2" else
+    config = (f"{depth} x top-{top_k}, {size} nodes + lookup" if method == "eagle2+ngram" else
+              f"{depth} x top-{top_k}, {size} nodes" if method == "eagle2" else
               f"{size}-node tree" if method in ("medusa", "eagle") else
               f"chain of {depth}" if top_k == 1 else f"{depth} x top-{top_k}, {size} nodes")
     return (lambda ids: generate_spec(target, proposer, ids, gen, tokenizer.stop_ids),

@@ -240,10 +240,10 @@ def test_bench_table_arithmetic_on_a_synthetic_run():
     assert s["categories"]["x"]["e"] == {"tau": 2.0, "speedup": (4 / 0.5) / (4 / 2.0)}
     assert s["categories"]["y"]["e"]["speedup"] == 1.0
     text = format_tables(s, ["ar", "e"])
-    row = "e" + " " * 11 + "chain of 2" + " " * 18 + "2.00      4.0    2.00x     5.0   5.0%     1/2"
+    row = "e" + " " * 13 + "chain of 2" + " " * 20 + "2.00      4.0    2.00x     5.0   5.0%     1/2"
     assert row in text, text
     runs = [{"temperature": 0.0, "summary": s}, {"temperature": 0.7, "summary": s}]
-    assert "e" + " " * 17 + "2.00 2.00x" + " " * 6 + "2.00 2.00x" in format_temperatures(runs, ["e"])
+    assert "e" + " " * 19 + "2.00 2.00x" + " " * 6 + "2.00 2.00x" in format_temperatures(runs, ["e"])
 
 
 # ---------------------------------------------------------------- the shipped weights
@@ -483,3 +483,34 @@ def test_eagle_soft_loss_at_the_first_step_equals_a_per_position_loop():
     want = sum(-((b.target[r, i] @ proj.T).softmax(-1) * (out[r, i] @ proj.T).log_softmax(-1)).sum()
                for r, i in rows) / len(rows)
     assert got == pytest.approx(float(want), rel=1e-6)
+
+
+# ---------------------------------------------------------------- EAGLE-2 plus prompt lookup
+
+def test_add_chain_shares_the_prefix_the_tree_has():
+    from tree import add_chain, make_tree
+    tree = make_tree([9, 1, 2, 3], [-1, 0, 0, 1])               # 9 -> 1 -> 3, 9 -> 2
+    grown = add_chain(tree, [1, 3, 5, 6])                      # shares 1 -> 3, adds 5 -> 6
+    assert grown.tokens.tolist() == [9, 1, 2, 3, 5, 6]
+    assert grown.parents.tolist() == [-1, 0, 0, 1, 3, 4]
+    assert grown.depths.tolist() == [0, 1, 1, 2, 3, 4]
+    branch = add_chain(tree, [4, 1])                           # a new branch from the root
+    assert branch.parents.tolist()[4:] == [0, 4] and branch.tokens.tolist()[4:] == [4, 1]
+    assert add_chain(tree, [1, 3]).size == 4 and add_chain(tree, []).size == 4
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_eagle2_plus_lookup_is_lossless_greedy_and_seeded_when_sampling(temperature):
+    from proposers import LookupEagleProposer, PromptLookupProposer
+    target = tiny_model(2)
+    proposer = LookupEagleProposer(EagleProposer(target, random_eagle(target, 2),
+                                                 DraftConfig(3, 3, 5), 256),
+                                   PromptLookupProposer(4, 3))
+    prompt = [4, 8, 15, 16, 23, 42, 4, 8, 15]                  # repeats: lookup has matches
+    gen = GenConfig(40, temperature, seed=1)
+    out = generate_spec(target, proposer, prompt, gen)
+    if temperature == 0:
+        assert out.token_ids == generate_ar(target, prompt, gen).token_ids
+        assert max(out.drafted) > 5, "the lookup branch should have added nodes"
+    else:
+        assert out.token_ids == generate_spec(target, proposer, prompt, gen).token_ids

@@ -141,6 +141,26 @@ def subtree(tree: Tree, kept: torch.Tensor) -> Tree:
     return Tree(tree.tokens[kept], parents, tree.depths[kept], tree.scores[kept])
 
 
+def add_chain(tree: Tree, tokens: list) -> Tree:
+    """The tree plus a chain of tokens from its root, sharing the prefix the tree already has
+    (a trie insert). No node gets two children with the same token: the sampling rule draws one
+    token per node and descends into THE child equal to it."""
+    toks, parents = tree.tokens.tolist(), tree.parents.tolist()
+    node, i = 0, 0
+    while i < len(tokens):
+        child = next((c for c in range(len(toks)) if parents[c] == node and toks[c] == tokens[i]),
+                     None)
+        if child is None:
+            break
+        node, i = child, i + 1
+    if i == len(tokens):
+        return tree
+    n = len(toks)
+    new_parents = [node] + list(range(n, n + len(tokens) - i - 1))
+    scores = torch.cat([tree.scores, tree.scores.new_zeros(len(tokens) - i)])
+    return make_tree(toks + list(tokens[i:]), parents + new_parents, scores)
+
+
 def render_tree(tree: Tree, label, accepted, bonus: int) -> str:
     """The tree as indented text: label(token id) -> str, probability exp(score) where scored,
     `*` on the accepted path, and the target's own next token after the last accepted node."""
