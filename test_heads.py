@@ -443,17 +443,24 @@ def test_tree_size_auto_runs_end_to_end_and_stays_lossless(default_target, monke
             generate_ar(target, ids, GenConfig(32), tokenizer.stop_ids).token_ids)
 
 
+def random_batch(seed: int) -> tuple:
+    """Two random sequences (tokens, float64 features) and their training batch."""
+    import train_heads as th
+    g = torch.Generator().manual_seed(seed)
+    seqs = [th.Seq(torch.randint(1, 61, (n,), generator=g), torch.randn(n - 1, 32, generator=g,
+                   dtype=torch.float64), p) for n, p in ((9, 3), (7, 2))]
+    b = th.make_batch(seqs)
+    b.feats, b.target = b.feats.double(), b.target.double()       # make_batch gives float32
+    return seqs, b
+
+
 @pytest.mark.parametrize("soft", [False, True])
 def test_medusa_loss_equals_a_per_position_loop(soft):
     import train_heads as th
     from heads import projection
     target = tiny_model(4)
     heads = random_medusa(target, heads=2)
-    g = torch.Generator().manual_seed(5)
-    seqs = [th.Seq(torch.randint(1, 61, (n,), generator=g), torch.randn(n - 1, 32, generator=g,
-                   dtype=torch.float64), p) for n, p in ((9, 3), (7, 2))]
-    b = th.make_batch(seqs)
-    b.feats, b.target = b.feats.double(), b.target.double()
+    seqs, b = random_batch(5)
     proj = projection(target, heads.vocab_ids)
     got = th.medusa_loss(heads, proj, b, soft)[1]
     for m in range(2):                   # head m at entry i: token i + 2 + m, from feature i + 1 + m
@@ -471,11 +478,7 @@ def test_eagle_soft_loss_at_the_first_step_equals_a_per_position_loop():
     from heads import projection
     target = tiny_model(4)
     head = random_eagle(target)
-    g = torch.Generator().manual_seed(6)
-    seqs = [th.Seq(torch.randint(1, 61, (n,), generator=g), torch.randn(n - 1, 32, generator=g,
-                   dtype=torch.float64), p) for n, p in ((9, 3), (7, 2))]
-    b = th.make_batch(seqs)
-    b.feats, b.target = b.feats.double(), b.target.double()
+    _, b = random_batch(6)
     proj = projection(target, head.vocab_ids)
     got = th.eagle_loss(head, target.embed, proj, b, 2, 0.0, soft=True)[1][0]
     out = th.eagle_unroll(head, target.embed, b, 1)[0]                  # (B, L, C)
