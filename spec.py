@@ -340,7 +340,10 @@ def verify_costs(args, model) -> dict:
     table = {}
     if os.path.isfile(path):
         with open(path) as f:
-            table = json.load(f)
+            try:
+                table = json.load(f)
+            except json.JSONDecodeError:     # a damaged cache is measured again, not fatal
+                table = {}
     if key not in table:
         print("measuring the verify cost on this machine (once; cached)", file=sys.stderr)
         table[key] = forward_costs(model, COST_SIZES)
@@ -351,6 +354,7 @@ def verify_costs(args, model) -> dict:
     return {int(k): v for k, v in table[key].items()}
 
 
+@torch.inference_mode()                 # timed as decoding runs: without autograd's bookkeeping
 def forward_costs(model, sizes, batch: int = 1, prefix: int = 128, repeats: int = 5) -> dict:
     """{k: median ms} of one forward over k new tokens per row (batch rows) after a prefix."""
     import statistics
@@ -633,7 +637,6 @@ def compare_hf(args) -> dict:
             "identical_outputs": sum(r["identical"] for r in rows)}
 
 
-@torch.inference_mode()
 @torch.inference_mode()
 def verify_curve(args) -> dict:
     """Cost of one target forward over k new tokens per row, relative to one token, at batch 1
