@@ -104,22 +104,23 @@ def identical(records: list, base: str, method: str) -> list:
 
 
 def format_tables(summary: dict, methods: list) -> str:
-    lines = [f"{'method':<14}{'configuration':<28}{'tau':>6}{'tok/s':>9}{'speedup':>9}{'+MB':>8}"
+    lines = [f"{'method':<21}{'configuration':<28}{'tau':>6}{'tok/s':>9}{'speedup':>9}{'+MB':>8}"
              f"{'+%':>7}{'identical':>11}"]
     for m, s in summary["methods"].items():
-        lines.append(f"{m:<14}{s['config']:<28}{s['tau']:6.2f}{s['tokens_per_s']:9.1f}"
+        lines.append(f"{m:<21}{s['config']:<28}{s['tau']:6.2f}{s['tokens_per_s']:9.1f}"
                      f"{s['speedup']:8.2f}x"
                      f"{s['memory_mb']:8.1f}{s['memory_pct']:6.1f}%"
                      f"{s['identical'][0]:>6}/{s['identical'][1]}")
+    width = {m: max(16, len(m) + 2) for m in methods}          # a column per method
     lines += ["", "tau / speedup per category", f"{'category':<16}" +
-              "".join(f"{m:>16}" for m in methods)]
+              "".join(f"{m:>{width[m]}}" for m in methods)]
     for c, per in summary["categories"].items():
-        lines.append(f"{c:<16}" + "".join(f"{per[m]['tau']:10.2f} {per[m]['speedup']:4.2f}x"
-                                           for m in methods))
+        lines.append(f"{c:<16}" + "".join(
+            f"{per[m]['tau']:{width[m] - 6}.2f} {per[m]['speedup']:4.2f}x" for m in methods))
     lines += ["", "acceptance by draft position (fraction of steps)"]
     for m, s in summary["methods"].items():
         if s["acceptance_by_position"]:
-            lines.append(f"{m:<14}" + " ".join(f"{a:.2f}" for a in s["acceptance_by_position"]))
+            lines.append(f"{m:<21}" + " ".join(f"{a:.2f}" for a in s["acceptance_by_position"]))
     return "\n".join(lines)
 
 
@@ -135,6 +136,9 @@ def run_bench(args, build) -> dict:
     methods = args.methods.split(",")
     if methods[0] != "ar":
         methods = ["ar"] + [m for m in methods if m != "ar"]     # the baseline runs first
+    if args.compile:
+        from spec import COMPILED
+        methods += [m + COMPILED for m in methods]
     if args.peers:
         methods += PEERS
     prompts = read_bench(args.bench, args.limit, args.categories, args.per_category)
@@ -175,10 +179,10 @@ def run_bench(args, build) -> dict:
 
 def format_temperatures(runs: list, methods: list) -> str:
     """tau and speedup of each method at each temperature, one line per method."""
-    lines = ["tau / speedup by temperature", f"{'method':<14}" +
+    lines = ["tau / speedup by temperature", f"{'method':<21}" +
              "".join(f"{'T=' + format(r['temperature'], 'g'):>16}" for r in runs)]
     for m in methods:
-        lines.append(f"{m:<14}" + "".join(
+        lines.append(f"{m:<21}" + "".join(
             f"{r['summary']['methods'][m]['tau']:10.2f} {r['summary']['methods'][m]['speedup']:4.2f}x"
             for r in runs))
     return "\n".join(lines)

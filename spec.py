@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import accept_chain_sampled, accept_tree, next_tokens, target_probs
-from tree import ancestor_mask, positions, retrieve_indices
+from tree import ancestor_mask, pad_inputs, positions, retrieve_indices
 
 DEFAULT_PROMPT = "What is the capital of France?"
 METHODS = ["ar", "draft", "ngram", "medusa", "eagle", "eagle2", "eagle2+ngram"]
@@ -31,6 +31,7 @@ METHODS = ["ar", "draft", "ngram", "medusa", "eagle", "eagle2", "eagle2+ngram"]
 TREE_DEFAULTS = {"draft": (4, 1, 0), "ngram": (4, 1, 0), "medusa": (4, 1, "auto"),
                  "eagle": (5, 1, "auto"), "eagle2": (3, 4, "auto"),
                  "eagle2+ngram": (3, 4, "auto")}
+COMPILED = "+compile"                # --bench --compile: the compiled twin of each method
 WEIGHTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights")
 
 
@@ -113,8 +114,10 @@ def verify(logits, tree, mask, q, gen: GenConfig, generator) -> tuple:
 
 @torch.inference_mode()
 def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(),
-                  on_tokens=None, on_step=None) -> Result:
-    """Speculative decoding: prefill, then loop { propose, verify, accept, commit cache }."""
+                  on_tokens=None, on_step=None, pad: bool = False) -> Result:
+    """Speculative decoding: prefill, then loop { propose, verify, accept, commit cache }.
+
+    pad: verify every tree padded to the proposer's most nodes (one shape for torch.compile)."""
     device = target.embed.weight.device
     generator = torch.Generator(device).manual_seed(gen.seed)
     max_nodes = proposer.max_nodes
@@ -132,8 +135,11 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
         tree, q = proposer.propose(root, gen, generator)
         mask = ancestor_mask(tree.parents, tree.depths)                   # (N, N)
         start = cache.length
-        logits, hidden = target(tree.tokens[None].to(device),
-                                positions(tree.depths, start)[None].to(device), cache, mask)
+        tokens, pos, seen = tree.tokens, positions(tree.depths, start), mask
+        if pad:
+            tokens, pos, seen = pad_inputs(tokens, pos, mask, max_nodes)
+        logits, hidden = target(tokens[None].to(device), pos[None].to(device), cache, seen)
+        logits, hidden = logits[:, :tree.size], hidden[:, :tree.size]    # pads dropped
         result.target_forwards += 1
         accepted, root = verify(logits[0], tree, mask, q, gen, generator)
         cache.keep(start, accepted)                  # keep the accepted path's slots, in order
@@ -180,7 +186,7 @@ def load_target(args):
 def build_proposer(args, target, tokenizer, slots):
     from default_model import cache_dir, default_model_path
     from heads import draft_folder
-    from model import load_model
+    from model import compiled, load_model
     from proposers import DraftConfig, DraftModelProposer, PromptLookupProposer, truncated_draft
     from tokenizer import load_tokenizer
     if args.method in ("medusa", "eagle", "eagle2"):
@@ -209,6 +215,8 @@ def build_proposer(args, target, tokenizer, slots):
             raise ValueError(f"draft and target tokenizers differ: {why}. A draft must share the "
                              "target's exact tokenizer, or its tokens mean other words")
         draft = share_embeddings(load_model(folder, target.embed.weight.dtype, args.device), target)
+    if args.compile:
+        draft = compiled(draft)
     own = {id(p) for p in target.parameters()}
     extra = sum(p.numel() * p.element_size() for p in draft.parameters() if id(p) not in own)
     info = {"draft": name, "draft_params": sum(p.numel() for p in draft.parameters()),
@@ -230,13 +238,15 @@ def share_embeddings(draft, target):
 def head_proposer(args, target, slots, tokenizer):
     """Medusa / EAGLE / EAGLE-2 from a trained head folder (default: the shipped weights)."""
     from heads import best_paths, load_head
-    from model import prepack
+    from model import compiled, prepack
     from proposers import DraftConfig, EagleProposer, MedusaProposer
     from tree import static_tree
     kind = "medusa" if args.method == "medusa" else "eagle"
     folder = args.head or os.path.join(WEIGHTS, f"smollm2-135m-{kind}")
     head, config = load_head(folder, target, kind)
     packed = prepack(head)                                              # bytes it added
+    if args.compile:
+        head = compiled(head)
     depth, top_k = args.num_speculative_tokens, args.draft_top_k
     # measured P(rank r right | path right) by depth; EAGLE-2 only ever drafts ranks < top_k
     accuracy = [row[:top_k] if args.method == "eagle2" else row for row in config.accuracy[:depth]]
@@ -330,12 +340,16 @@ def machine_name(device: str) -> str:
     return f"{model or platform.processor() or platform.machine()} x{torch.get_num_threads()}"
 
 
+COSTS_VERSION = "v2"      # bumped when the model's kernels change (v2: 1-query float32 attention)
+
+
 def verify_costs(args, model) -> dict:
     """{k: ms} of a target forward over k tokens, measured once per machine, model, dtype and
     torch version and cached in the cache folder (verify-costs.json)."""
     from default_model import cache_dir, default_model_path
     key = " | ".join([machine_name(args.device), torch.__version__, args.dtype,
-                      os.path.abspath(args.model or default_model_path(args.cache_dir))])
+                      os.path.abspath(args.model or default_model_path(args.cache_dir)),
+                      COSTS_VERSION] + (["compiled"] if args.compile else []))
     path = os.path.join(cache_dir(args.cache_dir), "verify-costs.json")
     table = {}
     if os.path.isfile(path):
@@ -423,8 +437,10 @@ def parse_args(argv=None):
                    "faster than float32 on these CPUs; float32 for exact greedy equality)")
     p.add_argument("--device", help="cpu, cuda, mps (default: the best available)")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the target (minutes to compile on a CPU; not faster there "
-                        "in our measurements)")
+                   help="torch.compile the decoder layers of the target and of the draft or "
+                        "head, and pad every draft tree to one size; with --bench, every method "
+                        "also runs compiled (METHOD+compile rows) beside eager. Slower on "
+                        "our CPUs (README)")
     p.add_argument("--json", nargs="?", const="-", metavar="FILE",
                    help="print one JSON object instead of text (with --bench: write the full "
                         "report, per prompt too, to FILE)")
@@ -527,10 +543,15 @@ def with_tree_defaults(args, method: str):
 def bench_decoder(args, method: str, target, tokenizer) -> tuple:
     """For bench.run_bench: (prompt_ids -> Result, MB the method adds to the target, its
     configuration in words)."""
+    from model import compiled
     gen = GenConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    fast = method.endswith(COMPILED)
+    method = method.removesuffix(COMPILED)
+    if fast:
+        target = compiled(target)
     if method == "ar":
         return (lambda ids: generate_ar(target, ids, gen, tokenizer.stop_ids)), 0.0, "plain"
-    margs = with_tree_defaults(args, method)
+    margs = with_tree_defaults(argparse.Namespace(**{**vars(args), "compile": fast}), method)
     extra = margs.num_speculative_tokens * margs.draft_top_k + tree_budget(margs) + 1
     proposer, info = build_proposer(margs, target, tokenizer,
                                     target.config.max_positions + extra + 1)
@@ -540,14 +561,15 @@ def bench_decoder(args, method: str, target, tokenizer) -> tuple:
               f"{depth} x top-{top_k}, {size} nodes" if method == "eagle2" else
               f"{size}-node tree" if method in ("medusa", "eagle") else
               f"chain of {depth}" if top_k == 1 else f"{depth} x top-{top_k}, {size} nodes")
-    return (lambda ids: generate_spec(target, proposer, ids, gen, tokenizer.stop_ids),
+    return (lambda ids: generate_spec(target, proposer, ids, gen, tokenizer.stop_ids, pad=fast),
             info["draft_memory_mb"], config)
 
 
 def run(args) -> dict:
+    from model import compiled
     path, target, tokenizer = load_target(args)
     if args.compile:
-        target.compile(dynamic=True)
+        target = compiled(target)
     prompt_ids = tokenizer.raw_ids(args.prompt) if args.raw else tokenizer.chat_prompt(args.prompt)
     gen = GenConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     stream = None if args.json else Streamer(tokenizer, args.show_drafts)
@@ -564,7 +586,8 @@ def run(args) -> dict:
             def show(tree, accepted, bonus):
                 text = render_tree(tree, lambda t: tokenizer.decode([t]), accepted, bonus)
                 print(f"\n{text}", file=sys.stderr)
-        result = generate_spec(target, proposer, prompt_ids, gen, tokenizer.stop_ids, stream, show)
+        result = generate_spec(target, proposer, prompt_ids, gen, tokenizer.stop_ids, stream, show,
+                               pad=args.compile)
     text_ids = [t for t in result.token_ids if t not in tokenizer.stop_ids]
     report = {"method": args.method, "model_path": os.path.abspath(path), "dtype": args.dtype,
               "device": args.device, "prompt_ids": prompt_ids, "token_ids": result.token_ids,

@@ -240,10 +240,10 @@ def test_bench_table_arithmetic_on_a_synthetic_run():
     assert s["categories"]["x"]["e"] == {"tau": 2.0, "speedup": (4 / 0.5) / (4 / 2.0)}
     assert s["categories"]["y"]["e"]["speedup"] == 1.0
     text = format_tables(s, ["ar", "e"])
-    row = "e" + " " * 13 + "chain of 2" + " " * 20 + "2.00      4.0    2.00x     5.0   5.0%     1/2"
+    row = "e" + " " * 20 + "chain of 2" + " " * 20 + "2.00      4.0    2.00x     5.0   5.0%     1/2"
     assert row in text, text
     runs = [{"temperature": 0.0, "summary": s}, {"temperature": 0.7, "summary": s}]
-    assert "e" + " " * 19 + "2.00 2.00x" + " " * 6 + "2.00 2.00x" in format_temperatures(runs, ["e"])
+    assert "e" + " " * 26 + "2.00 2.00x" + " " * 6 + "2.00 2.00x" in format_temperatures(runs, ["e"])
 
 
 # ---------------------------------------------------------------- the shipped weights

@@ -690,3 +690,28 @@ def test_prompt_lookup_finds_the_latest_match_and_is_lossless():
         if temperature == 0:
             assert spec.token_ids == plain
         assert len(spec.token_ids) == 40
+
+
+def test_padded_trees_change_nothing():
+    # Padding the verified tree to a fixed size (for torch.compile) must not change a token.
+    from proposers import PromptLookupProposer
+    target = tiny_model(6)
+    prompt = [3, 4, 5, 6, 7, 8, 3, 4, 5, 6, 7, 8, 3, 4]
+    gen = GenConfig(max_new_tokens=40)
+    plain = generate_ar(target, prompt, gen).token_ids
+    padded = generate_spec(target, PromptLookupProposer(4), prompt, gen, pad=True)
+    assert padded.token_ids == plain
+    assert min(padded.drafted) < 4, "some chains were padded"
+
+
+def test_compiled_model_equals_eager():
+    from model import compiled
+    from proposers import PromptLookupProposer
+    target = tiny_model(6).to(torch.float32)
+    fast = compiled(target)
+    assert fast.layers[0] is not target.layers[0] and fast.lm_head.weight is target.lm_head.weight
+    prompt = [3, 4, 5, 6, 7, 8, 3, 4, 5, 6, 7, 8, 3, 4]
+    gen = GenConfig(max_new_tokens=24)
+    plain = generate_ar(target, prompt, gen).token_ids
+    assert generate_ar(fast, prompt, gen).token_ids == plain
+    assert generate_spec(fast, PromptLookupProposer(4), prompt, gen, pad=True).token_ids == plain
