@@ -351,11 +351,40 @@ def compiled(module: nn.Module) -> nn.Module:
     The module itself stays eager, so a benchmark can time both in one run. Every Block is one
     graph with its weights as inputs, so the 30 layers of the default model compile once
     (seconds), not 30 times. Shapes are symbolic (dynamic=True): the cached prefix grows every
-    step; callers pad draft trees to one size so that the new-token count stays fixed."""
+    step. Forwards of 3+ rows that have prepacked weights (CPU bf16) stay eager: inductor cannot
+    use the packed copies, and its own kernels measured slower there (see CompiledBlock)."""
     if isinstance(module, Block):
-        return torch.compile(module, dynamic=True)
+        return CompiledBlock(module)
     view = copy.copy(module)                      # shares parameters, buffers and config
     view._modules = {name: compiled(child) for name, child in module._modules.items()}
+    return view
+
+
+class CompiledBlock(nn.Module):
+    """A Block through torch.compile, except forwards that prepacked weights serve faster.
+
+    Measured on the default model (2 cores, bf16, MT-bench bench): compiled one-token decoding
+    1.18x faster than eager (fused norms, RoPE and residuals, less per-op overhead), but a
+    compiled 5-9 token verify ~1.3x slower than the eager one with prepacked oneDNN weights."""
+
+    def __init__(self, block: Block):
+        super().__init__()
+        self.block = block
+        plain = unpacked(block)           # same weights, no packed copies: one set of guards
+        self.fast = torch.compile(plain, dynamic=True)
+
+    def forward(self, x, *args):
+        B, T, _ = x.shape
+        packed = self.block.attn.wqkv.packed is not None and B * T > 2
+        return (self.block if packed else self.fast)(x, *args)
+
+
+def unpacked(module: nn.Module) -> nn.Module:
+    """A copy of module sharing its weights, with no Linear holding a prepacked copy."""
+    view = copy.copy(module)
+    view._modules = {name: unpacked(child) for name, child in module._modules.items()}
+    if isinstance(view, Linear):
+        view.packed = None
     return view
 
 

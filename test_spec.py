@@ -715,3 +715,23 @@ def test_compiled_model_equals_eager():
     plain = generate_ar(target, prompt, gen).token_ids
     assert generate_ar(fast, prompt, gen).token_ids == plain
     assert generate_spec(fast, PromptLookupProposer(4), prompt, gen, pad=True).token_ids == plain
+
+
+def test_compiled_model_with_prepacked_weights_equals_eager():
+    # CPU bf16: one-token forwards run compiled, trees eager on the prepacked weights.
+    from model import compiled, pack, prepack
+    target = tiny_model(6).to(torch.bfloat16)
+    if pack(target.lm_head.weight) is None:
+        pytest.skip("no oneDNN weight prepacking in this torch build")
+    prepack(target)
+    fast = compiled(target)
+    assert target.layers[0].attn.wqkv.packed is not None, "the eager model keeps its packed copy"
+    ids = torch.randint(0, 61, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for T in (1, 6):
+            out = []
+            for model in (target, fast):
+                cache = model.new_cache(1, 32)
+                model(ids[:, :6], torch.arange(6)[None], cache)
+                out.append(model(ids[:, 6:6 + T], torch.arange(6, 6 + T)[None], cache)[0].float())
+            assert torch.allclose(out[1], out[0], atol=0.03 * float(out[0].abs().max())), T
