@@ -735,3 +735,12 @@ def test_compiled_model_with_prepacked_weights_equals_eager():
                 model(ids[:, :6], torch.arange(6)[None], cache)
                 out.append(model(ids[:, 6:6 + T], torch.arange(6, 6 + T)[None], cache)[0].float())
             assert torch.allclose(out[1], out[0], atol=0.03 * float(out[0].abs().max())), T
+
+
+def test_cache_room_counts_the_lookup_branch():
+    # eagle2+ngram verifies EAGLE-2's tree plus the lookup chain: the cache must hold both.
+    from spec import AUTO_MAX, LOOKUP_DEPTH, parse_args, tree_budget
+    assert tree_budget(parse_args(["--method", "eagle2+ngram"])) == AUTO_MAX + LOOKUP_DEPTH
+    assert tree_budget(parse_args(["--method", "eagle2+ngram", "--lookup-depth", "3",
+                                   "--tree-size", "7"])) == 10
+    assert tree_budget(parse_args(["--method", "eagle2", "--tree-size", "7"])) == 7
