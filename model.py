@@ -388,6 +388,31 @@ def unpacked(module: nn.Module) -> nn.Module:
     return view
 
 
+# ---------------------------------------------------------------- random weights of a known shape
+
+# Shapes for timing without a checkpoint (`--model random:NAME`): where no weights can be
+# downloaded, the cost of a forward still depends only on the shape.
+SHAPES = {
+    "smollm2-135m": LlamaConfig(),
+    "llama3.2-1b": LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                               num_layers=16, num_heads=32, num_kv_heads=8, rope_theta=500000.0,
+                               rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192)),
+    "llama3-8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                             num_layers=32, num_heads=32, num_kv_heads=8, rope_theta=500000.0,
+                             rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), tie_embeddings=False),
+}
+
+
+def random_model(name: str, dtype=torch.float32, device="cpu") -> Llama:
+    """A Llama of a known shape (SHAPES) with nn's default random init, built on the device."""
+    if name not in SHAPES:
+        raise LoadError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}")
+    with torch.device(device):
+        model = Llama(copy.deepcopy(SHAPES[name])).to(dtype)
+    model.inv_freq = rope_inv_freq(model.config).to(device)
+    return model.eval()
+
+
 # ---------------------------------------------------------------- loading HF checkpoints
 
 def hf_tensor_shapes(c: LlamaConfig) -> dict:

