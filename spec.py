@@ -608,7 +608,10 @@ def run(args) -> dict:
     gen = GenConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     stream = None if args.json else Streamer(tokenizer, args.show_drafts)
     info = {}
-    if args.method == "ar":
+    warm = GenConfig(8, gen.temperature, gen.top_p, gen.seed)   # --compile: compile first,
+    if args.method == "ar":                                        # so tokens/s is the steady state
+        if args.compile:
+            generate_ar(target, prompt_ids, warm, tokenizer.stop_ids)
         result = generate_ar(target, prompt_ids, gen, tokenizer.stop_ids, stream)
     else:
         slots = check_room(target, prompt_ids, gen, args.num_speculative_tokens * args.draft_top_k
@@ -620,6 +623,8 @@ def run(args) -> dict:
             def show(tree, accepted, bonus):
                 text = render_tree(tree, lambda t: tokenizer.decode([t]), accepted, bonus)
                 print(f"\n{text}", file=sys.stderr)
+        if args.compile:
+            generate_spec(target, proposer, prompt_ids, warm, tokenizer.stop_ids, pad=pad)
         result = generate_spec(target, proposer, prompt_ids, gen, tokenizer.stop_ids, stream, show,
                                pad=pad)
     text_ids = [t for t in result.token_ids if t not in tokenizer.stop_ids]
