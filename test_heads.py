@@ -225,6 +225,25 @@ def test_bench_reads_both_formats_and_names_bad_lines(tmp_path):
         read_bench(str(f))
 
 
+@pytest.mark.slow
+def test_bench_end_to_end_with_compiled_rows(default_path, tmp_path):
+    import spec
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Repeat: red green blue red green blue", "category": "a"}\n'
+                       '{"question_id": 7, "category": "b", "turns": ["Name a fruit.", "Another."]}\n')
+    out = tmp_path / "bench.json"
+    spec.main(["--bench", str(prompts), "--methods", "ar,ngram", "--max-new-tokens", "8",
+               "--compile", "--json", str(out)])
+    report = json.loads(out.read_text())
+    summary = report["runs"][0]["summary"]
+    methods = ["ar", "ngram", "ar+compile", "ngram+compile"]
+    assert list(summary["methods"]) == methods and set(summary["categories"]) == {"a", "b"}
+    assert len(report["records"]) == 3 * len(methods)            # 3 turns in all, each method
+    assert summary["methods"]["ar"]["identical"] == [3, 3] and summary["methods"]["ar"]["tau"] == 1
+    assert all(summary["methods"][m]["tau"] >= 1 for m in methods)
+    assert all(len(r["token_ids"]) <= 8 for r in report["records"])
+
+
 def test_bench_table_arithmetic_on_a_synthetic_run():
     from bench import Record, format_tables, format_temperatures, summarize
     R = Record
