@@ -608,8 +608,9 @@ def run(args) -> dict:
     gen = GenConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     stream = None if args.json else Streamer(tokenizer, args.show_drafts)
     info = {}
-    warm = GenConfig(8, gen.temperature, gen.top_p, gen.seed)   # --compile: compile first,
-    if args.method == "ar":                                        # so tokens/s is the steady state
+    # --compile: a short run first compiles, so that the printed tokens/s is the steady state
+    warm = GenConfig(8, gen.temperature, gen.top_p, gen.seed)
+    if args.method == "ar":
         if args.compile:
             generate_ar(target, prompt_ids, warm, tokenizer.stop_ids)
         result = generate_ar(target, prompt_ids, gen, tokenizer.stop_ids, stream)
@@ -707,8 +708,9 @@ def verify_curve(args) -> dict:
     curves = {1: forward_costs(model, (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)),
               8: forward_costs(model, (1, 2, 4, 8, 16, 32, 64), batch=8)}
     base = curves[1][1]
-    print(f"{machine_name(args.device)}, {args.dtype}, {os.path.basename(path)}\n{'batch':>5}{'k':>5}{'tokens':>8}"
-          f"{'ms':>9}{'vs 1 token':>12}{'ms/token':>10}", file=sys.stderr)
+    print(f"{machine_name(args.device)}, {args.dtype}, {os.path.basename(path)}\n"
+          f"{'batch':>5}{'k':>5}{'tokens':>8}{'ms':>9}{'vs 1 token':>12}{'ms/token':>10}",
+          file=sys.stderr)
     for batch, ms in curves.items():
         for k, t in ms.items():
             print(f"{batch:5d}{k:5d}{batch * k:8d}{t:9.1f}{t / base:11.2f}x{t / (batch * k):10.2f}",
