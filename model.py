@@ -407,8 +407,13 @@ def random_model(name: str, dtype=torch.float32, device="cpu") -> Llama:
     """A Llama of a known shape (SHAPES) with nn's default random init, built on the device."""
     if name not in SHAPES:
         raise LoadError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}")
-    with torch.device(device):
-        model = Llama(copy.deepcopy(SHAPES[name])).to(dtype)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)          # built in dtype: 8B in fp32 first would need 32 GB
+    try:
+        with torch.device(device):
+            model = Llama(copy.deepcopy(SHAPES[name]))
+    finally:
+        torch.set_default_dtype(default)
     model.inv_freq = rope_inv_freq(model.config).to(device)
     return model.eval()
 

@@ -752,6 +752,9 @@ def test_random_model_of_a_known_shape(capsys):
     with torch.device("meta"):
         big = random_model("llama3-8b", device="meta")
     assert round(sum(p.numel() for p in big.parameters()) / 1e9, 2) == 8.03    # Llama-3-8B
+    small = random_model("smollm2-135m", torch.bfloat16)
+    assert {p.dtype for p in small.parameters()} == {torch.bfloat16}, "built in the asked dtype"
+    assert torch.get_default_dtype() == torch.float32, "and the default dtype restored"
     with pytest.raises(LoadError, match="unknown model shape"):
         random_model("llama-9000")
     with pytest.raises(SystemExit):                 # nothing to decode with random weights
