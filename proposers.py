@@ -163,7 +163,11 @@ class PromptLookupProposer:
         self.context = torch.tensor(prompt_ids, dtype=torch.long)
 
     def propose(self, root: int, gen, generator) -> tuple:
-        return chain(root, self.lookup(torch.cat([self.context, torch.tensor([root])]))), None
+        return chain(root, self.continuation(root)), None
+
+    def continuation(self, root: int) -> torch.Tensor:
+        """The drafted tokens (up to depth) after the committed context plus the root."""
+        return self.lookup(torch.cat([self.context, torch.tensor([root])]))
 
     def lookup(self, ctx: torch.Tensor) -> torch.Tensor:
         """The continuation (up to depth tokens) of the latest earlier match, longest n first."""
@@ -299,8 +303,7 @@ class LookupEagleProposer:
 
     def propose(self, root: int, gen, generator) -> tuple:
         tree, _ = self.eagle.propose(root, gen, generator)
-        chain_tree, _ = self.lookup.propose(root, gen, generator)
-        return add_chain(tree, chain_tree.tokens[1:].tolist()), None
+        return add_chain(tree, self.lookup.continuation(root).tolist()), None
 
     def commit(self, tree: Tree, accepted: torch.Tensor, hidden=None) -> None:
         self.eagle.commit(tree, accepted, hidden)             # both read only the accepted path
