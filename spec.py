@@ -565,16 +565,10 @@ def with_tree_defaults(args, method: str):
                                  "tree_size": size if user[2] is None else user[2]})
 
 
-def compiles_trees(target) -> bool:
-    """Whether model.compiled(target) runs tree verification compiled: not where prepacked
-    weights serve it (CPU bf16). Only then are trees padded to one shape for the compiler."""
-    return target.layers[0].attn.wqkv.packed is None
-
-
 def bench_decoder(args, method: str, target, tokenizer) -> tuple:
     """For bench.run_bench: (prompt_ids -> Result, MB the method adds to the target, its
     configuration in words)."""
-    from model import compiled
+    from model import compiled, compiles_trees
     gen = GenConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     fast = method.endswith(COMPILED)
     method = method.removesuffix(COMPILED)
@@ -599,7 +593,7 @@ def bench_decoder(args, method: str, target, tokenizer) -> tuple:
 
 
 def run(args) -> dict:
-    from model import compiled
+    from model import compiled, compiles_trees
     path, target, tokenizer = load_target(args)
     pad = args.compile and compiles_trees(target)
     if args.compile:
