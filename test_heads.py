@@ -3,6 +3,7 @@ cache against per-path runs, static trees against brute force, files, and traini
 import itertools
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -184,16 +185,26 @@ def test_training_smoke_loss_falls_and_saved_head_decodes_the_same(tmp_path):
         if own:
             with torch.no_grad():
                 head.proj.copy_(proj.expand_as(head.proj))
-        loss = ((lambda s: th.eagle_loss(head, target.embed, proj, th.make_batch(s), 3, 0.1))
-                if method == "eagle" else (lambda s: th.medusa_loss(head, proj, th.make_batch(s))))
-        record = th.train(head, loss, seqs, th.TrainConfig(epochs=30, tokens_per_batch=256,
-                                                           lr=3e-3), str(tmp_path / name))
+        def loss_of(h):
+            return ((lambda s: th.eagle_loss(h, target.embed, proj, th.make_batch(s), 3, 0.1))
+                    if method == "eagle" else (lambda s: th.medusa_loss(h, proj, th.make_batch(s))))
+        record = th.train(head, loss_of(head), seqs, th.TrainConfig(epochs=30, tokens_per_batch=256,
+                                                                    lr=3e-3), str(tmp_path / name))
         first, last = record["losses"][:5], record["losses"][-5:]
         mean = lambda rows: sum(sum(r) / len(r) for r in rows) / len(rows)
         # soft cross-entropy cannot fall below the target's entropy; a clear drop is the signal
         assert mean(last) < mean(first) - 0.4, f"{method}: loss {mean(first)} -> {mean(last)}"
         config.accuracy = th.accuracy_table(target, head, method, seqs[:8], 3, 4)
         save_head(head, config, str(tmp_path / f"{name}_out"), {"steps": record["step"]})
+
+        # --init: training goes on from the saved head, not from a fresh one
+        again, _ = th.init_head(SimpleNamespace(init=str(tmp_path / f"{name}_out"),
+                                                method=method), target)
+        assert all(p.requires_grad for p in again.parameters())
+        more = th.train(again, loss_of(again), seqs[:8], th.TrainConfig(epochs=1, lr=1e-9,
+                                                                        tokens_per_batch=256),
+                        str(tmp_path / f"{name}_more"))
+        assert mean(more["losses"][:1]) < mean(first) - 0.4, f"{method}: --init starts afresh"
         loaded, _ = load_head(str(tmp_path / f"{name}_out"), target, method)
         head = head.to(torch.bfloat16).float()           # the file holds 16-bit weights
         paths = best_paths(config.accuracy, 6)

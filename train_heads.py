@@ -489,6 +489,9 @@ def parse_args(argv=None):
                    help="draft: leave the (frozen, target-equal) embedding matrix out of the "
                         "saved folder; spec.py rebuilds it from the target at first use. This "
                         "is how the shipped draft is stored")
+    p.add_argument("--init", metavar="FOLDER",
+                   help="EAGLE, Medusa: start from the head in FOLDER (written by this script) "
+                        "instead of a fresh one, e.g. to train a shipped head on more data")
     p.add_argument("--held-out", type=int, default=128,
                    help="sequences kept out of training to measure accuracy and tau")
     p.add_argument("--tau-prompts", type=int, default=10, help="held-out prompts decoded for tau")
@@ -522,6 +525,8 @@ def main(argv=None):
     from model import load_model
     from tokenizer import load_tokenizer
     args = parse_args(argv)
+    if args.init and args.method == "draft":
+        raise ValueError("--init continues an EAGLE or Medusa head; it does not apply to --method draft")
     model_path = args.model or default_model_path(args.cache_dir)
     features = args.features or default_features_dir(args)
     tokenizer = load_tokenizer(model_path)
@@ -564,19 +569,13 @@ def record_fields(record: dict) -> dict:
 
 
 def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) -> dict:
-    from heads import HeadConfig, build_head, eagle_layer_config, projection, save_head
-    ckpt = os.path.join(args.out, "checkpoint.pt")
-    vocab = (torch.load(ckpt, weights_only=False)["head"]["vocab_ids"] if os.path.exists(ckpt)
-             else draft_vocabulary(train_seqs, args.draft_vocab, tokenizer.stop_ids))
-    c = target.config
-    config = HeadConfig(args.method, c.hidden_size, c.vocab_size, len(vocab), args.heads,
-                        eagle_layer_config(c) if args.method == "eagle" else {},
-                        own_projection=args.own_projection)
-    head = build_head(config, vocab)
-    proj = projection(target, vocab)                                       # (R, C)
-    if config.own_projection:
-        with torch.no_grad():
-            head.proj.copy_(proj.expand_as(head.proj))                    # start as the target's
+    from heads import projection, save_head
+    head, config = (init_head(args, target) if args.init
+                    else new_head(args, target, train_seqs, tokenizer.stop_ids))
+    proj = projection(target, head.vocab_ids)                              # (R, C)
+    if args.init:                       # what the head had learned before: its own record
+        info = info | {"init": {"folder": os.path.abspath(args.init),
+                                "training": read_json(os.path.join(args.init, "training.json"))}}
     if args.method == "eagle":
         def loss_fn(seqs):
             return eagle_loss(head, target.embed, proj, make_batch(seqs), tc.steps,
@@ -594,6 +593,33 @@ def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) 
                                            "held_out_tau": tau}
     save_head(head, config, args.out, info)
     return info
+
+
+def new_head(args, target, train_seqs: list, stop_ids) -> tuple:
+    """-> (head, HeadConfig): residual blocks that start as the identity (Medusa) or a fresh
+    EAGLE layer, over the draft vocabulary of these sequences (or of the run being resumed)."""
+    from heads import HeadConfig, build_head, eagle_layer_config, projection
+    ckpt = os.path.join(args.out, "checkpoint.pt")
+    vocab = (torch.load(ckpt, weights_only=False)["head"]["vocab_ids"] if os.path.exists(ckpt)
+             else draft_vocabulary(train_seqs, args.draft_vocab, stop_ids))
+    c = target.config
+    config = HeadConfig(args.method, c.hidden_size, c.vocab_size, len(vocab), args.heads,
+                        eagle_layer_config(c) if args.method == "eagle" else {},
+                        own_projection=args.own_projection)
+    head = build_head(config, vocab)
+    if config.own_projection:
+        with torch.no_grad():
+            head.proj.copy_(projection(target, vocab).expand_as(head.proj))  # start as the target's
+    return head, config
+
+
+def init_head(args, target) -> tuple:
+    """-> (head, HeadConfig) of the trained head in --init, to train further: its shape and
+    draft vocabulary are kept (--draft-vocab, --heads and --own-projection do not apply)."""
+    from heads import load_head
+    head, config = load_head(args.init, target, args.method)
+    config.accuracy = []                                                   # measured again
+    return head.float().train().requires_grad_(True), config
 
 
 def train_draft(args, tc, target, model_path, train_seqs, held, tokenizer, info) -> dict:
@@ -627,6 +653,14 @@ def held_out_tau(args, target, head, config, held: list, tokenizer) -> dict:
     chain = EagleProposer(target, head, DraftConfig(5, 1), 512)
     return {"eagle2_d5_k4_16": round(measure_tau(target, eagle2, seqs, 64, tokenizer.stop_ids), 3),
             "chain_5": round(measure_tau(target, chain, seqs, 64, tokenizer.stop_ids), 3)}
+
+
+def read_json(path: str):
+    """The file's JSON, or None where it is missing."""
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def git_commit() -> str:
