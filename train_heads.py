@@ -491,7 +491,9 @@ def parse_args(argv=None):
                         "is how the shipped draft is stored")
     p.add_argument("--init", metavar="FOLDER",
                    help="EAGLE, Medusa: start from the head in FOLDER (written by this script) "
-                        "instead of a fresh one, e.g. to train a shipped head on more data")
+                        "instead of a fresh one, e.g. to train a shipped head on more data; its "
+                        "shape and draft vocabulary are kept (--draft-vocab, --heads and "
+                        "--own-projection then do not apply)")
     p.add_argument("--held-out", type=int, default=128,
                    help="sequences kept out of training to measure accuracy and tau")
     p.add_argument("--tau-prompts", type=int, default=10, help="held-out prompts decoded for tau")
