@@ -198,10 +198,11 @@ def expected_length(accuracy: list, size: int) -> float:
     return total
 
 
-def choose_tree_size(expected: dict, cost_ms: dict, draft_ms: float) -> tuple:
+def choose_tree_size(expected: dict, cost_ms: dict, draft_ms: float, extra: int = 0) -> tuple:
     """The size n maximizing expected tokens per second, expected[n] / (draft_ms + verify of
-    n + 1 tokens), with the verify cost interpolated linearly between the measured k in cost_ms.
-    -> (n, {n: predicted tokens per second}, {n: verify ms of n + 1 tokens})."""
+    n + 1 + extra tokens), with the verify cost interpolated linearly between the measured k in
+    cost_ms. extra: tokens that ride along in every verify pass (eagle2+ngram's lookup chain).
+    -> (n, {n: predicted tokens per second}, {n: verify ms of n + 1 + extra tokens})."""
     ks = sorted(cost_ms)
 
     def verify(k):
@@ -215,7 +216,7 @@ def choose_tree_size(expected: dict, cost_ms: dict, draft_ms: float) -> tuple:
             return cost_ms[lo]
         return cost_ms[lo] + (cost_ms[hi] - cost_ms[lo]) * (k - lo) / (hi - lo)
 
-    verify_ms = {n: verify(n + 1) for n in expected}
+    verify_ms = {n: verify(n + 1 + extra) for n in expected}
     speed = {n: 1000 * e / (draft_ms + verify_ms[n]) for n, e in expected.items()}
     return max(speed, key=speed.get), speed, verify_ms
 

@@ -197,8 +197,9 @@ def build_proposer(args, target, tokenizer, slots):
         return head_proposer(args, target, slots, tokenizer)
     if args.method == "eagle2+ngram":
         from proposers import LookupEagleProposer
+        # the lookup chain rides along in every verify pass: --tree-size auto prices it in
         eagle, info = head_proposer(argparse.Namespace(**{**vars(args), "method": "eagle2"}),
-                                    target, slots, tokenizer)
+                                    target, slots, tokenizer, extra=lookup_depth(args))
         lookup = PromptLookupProposer(lookup_depth(args), args.ngram_max)
         return LookupEagleProposer(eagle, lookup), info
     if args.method == "ngram":
@@ -239,8 +240,9 @@ def share_embeddings(draft, target):
     return draft
 
 
-def head_proposer(args, target, slots, tokenizer):
-    """Medusa / EAGLE / EAGLE-2 from a trained head folder (default: the shipped weights)."""
+def head_proposer(args, target, slots, tokenizer, extra: int = 0):
+    """Medusa / EAGLE / EAGLE-2 from a trained head folder (default: the shipped weights).
+    extra: tokens verified beside the head's tree each step (a lookup chain), for auto's costs."""
     from heads import best_paths, load_head
     from model import compiled, prepack
     from proposers import DraftConfig, EagleProposer, MedusaProposer
@@ -265,7 +267,7 @@ def head_proposer(args, target, slots, tokenizer):
                 EagleProposer(target, head, DraftConfig(depth), slots, tree))
 
     if args.tree_size == "auto":
-        size = auto_tree_size(args, target, tokenizer, accuracy, make)
+        size = auto_tree_size(args, target, tokenizer, accuracy, make, extra)
     else:
         size = args.tree_size or depth * top_k                        # 0: as --help says
     proposer = make(size)
@@ -283,19 +285,21 @@ AUTO_MAX = 48                                   # largest tree --tree-size auto 
 COST_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, AUTO_MAX + 1)
 
 
-def auto_tree_size(args, target, tokenizer, accuracy, make) -> int:
+def auto_tree_size(args, target, tokenizer, accuracy, make, extra: int = 0) -> int:
     """The tree size with the most expected tokens per second on this machine: the head's
     measured accuracies give the expected tokens per step of each size (as Medusa's tree
-    search does), the measured (cached) verify cost and draft time give the seconds."""
+    search does), the measured (cached) verify cost and draft time give the seconds. extra
+    tokens (a lookup chain) are priced into every verify pass, not into the tokens gained."""
     from heads import choose_tree_size, expected_length
     if not accuracy:
         raise ValueError("--tree-size auto needs the head's measured accuracy table (config.json)")
     expected = {n: expected_length(accuracy, n) for n in range(1, AUTO_MAX + 1)}
     costs = verify_costs(args, target)
     draft_ms = draft_time(make(args.num_speculative_tokens), target, tokenizer)
-    size, speed, verify_ms = choose_tree_size(expected, costs, draft_ms)
+    size, speed, verify_ms = choose_tree_size(expected, costs, draft_ms, extra)
     shown = [n for n in COST_SIZES if n <= AUTO_MAX] + ([size] if size not in COST_SIZES else [])
-    print(f"tree size auto ({args.method}): draft {draft_ms:.1f} ms per step\n"
+    beside = f", verify includes {extra} lookup tokens" if extra else ""
+    print(f"tree size auto ({args.method}): draft {draft_ms:.1f} ms per step{beside}\n"
           f"{'size':>6}{'verify ms':>11}{'E[tokens]':>11}{'tok/s':>8}", file=sys.stderr)
     for n in sorted(shown):
         mark = "  <- chosen" if n == size else ""
@@ -468,7 +472,8 @@ def parse_args(argv=None):
     p.add_argument("--tree-size", type=tree_size,
                    help="draft nodes verified per step (0: depth x top-k; auto: the size with "
                         "the most expected tokens/s on this machine, from the head's measured "
-                        "accuracy and the measured verify cost, for medusa, eagle and eagle2; "
+                        "accuracy and the measured verify cost, for medusa, eagle, eagle2 and "
+                        "eagle2+ngram (its lookup chain priced into every verify); "
                         "default: " +
                         ", ".join(f"{m} {d[2]}" for m, d in TREE_DEFAULTS.items()) + ")")
     p.add_argument("--compare-hf", action="store_true",

@@ -447,10 +447,10 @@ def test_auto_tree_size_picks_the_optimum_of_a_synthetic_curve():
     from heads import choose_tree_size
     expected = {n: 1 + 2.2 * (1 - 0.85 ** n) for n in range(1, 49)}      # saturating acceptance
     measured = {1: 20.0, 4: 21.0, 8: 24.0, 16: 34.0, 32: 58.0, 49: 90.0}  # flat, then linear
-    for draft_ms in (0.0, 9.0, 40.0):
-        n, speed, _ = choose_tree_size(expected, measured, draft_ms)
-        ks = sorted(measured)
-        brute = {m: e / (draft_ms + np.interp(m + 1, ks, [measured[k] for k in ks]))
+    ks = sorted(measured)
+    for draft_ms, extra in ((0.0, 0), (9.0, 0), (40.0, 0), (9.0, 8)):
+        n, speed, _ = choose_tree_size(expected, measured, draft_ms, extra)
+        brute = {m: e / (draft_ms + np.interp(m + 1 + extra, ks, [measured[k] for k in ks]))
                  for m, e in expected.items()}
         assert n == max(brute, key=brute.get)
         assert speed[n] == pytest.approx(1000 * brute[n])
