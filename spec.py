@@ -197,10 +197,11 @@ def build_proposer(args, target, tokenizer, slots):
         return head_proposer(args, target, slots, tokenizer)
     if args.method == "eagle2+ngram":
         from proposers import LookupEagleProposer
+        depth = lookup_depth(args)
         # the lookup chain rides along in every verify pass: --tree-size auto prices it in
         eagle, info = head_proposer(argparse.Namespace(**{**vars(args), "method": "eagle2"}),
-                                    target, slots, tokenizer, extra=lookup_depth(args))
-        lookup = PromptLookupProposer(lookup_depth(args), args.ngram_max)
+                                    target, slots, tokenizer, extra=depth)
+        lookup = PromptLookupProposer(depth, args.ngram_max)
         return LookupEagleProposer(eagle, lookup), info
     if args.method == "ngram":
         proposer = PromptLookupProposer(args.num_speculative_tokens, args.ngram_max)
