@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from kernels import attention_mask
-from model import Block, KVCache, Linear, LlamaConfig, LoadError, rope_cos_sin, rope_inv_freq
+from model import (Block, KVCache, Linear, LlamaConfig, LoadError, cache_dtype, rope_cos_sin,
+                   rope_inv_freq)
 
 
 @dataclass
@@ -67,7 +68,8 @@ class EagleHead(nn.Module):
 
     def new_cache(self, slots: int, batch: int = 1) -> KVCache:
         w = self.fc.weight
-        return KVCache.allocate(self.layer_config, batch, slots, w.dtype, w.device)
+        return KVCache.allocate(self.layer_config, batch, slots, cache_dtype(w.dtype, w.device),
+                                w.device)
 
 
 class MedusaHeads(nn.Module):

@@ -349,7 +349,8 @@ def machine_name(device: str) -> str:
     return f"{model or platform.processor() or platform.machine()} x{torch.get_num_threads()}"
 
 
-COSTS_VERSION = "v2"      # bumped when the model's kernels change (v2: 1-query float32 attention)
+COSTS_VERSION = "v3"      # bumped when the model's kernels change (v2: 1-query float32 attention;
+                          # v3: float32 KV cache and attention, RMSNorm in the reference's roundings)
 
 
 def verify_costs(args, model) -> dict:

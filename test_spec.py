@@ -80,6 +80,21 @@ def test_logits_equal_transformers_llama(tmp_path, case):
     assert torch.allclose(got, ref, atol=1e-6, rtol=0), f"{case}: max diff {(got - ref).abs().max()}"
 
 
+def test_rmsnorm_equals_transformers_bit_for_bit_in_bf16():
+    # Same roundings as the reference in 16 bits (not only close), so bf16 outputs drift less.
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from model import RMSNorm
+    torch.manual_seed(0)
+    ours, ref = RMSNorm(576, 1e-5), LlamaRMSNorm(576, eps=1e-5)
+    with torch.no_grad():
+        ours.weight.normal_(1, 0.3)
+        ref.weight.copy_(ours.weight)
+    ours, ref = ours.to(torch.bfloat16), ref.to(torch.bfloat16)
+    x = torch.randn(2, 300, 576).mul(4).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(ours(x), ref(x)), (ours(x).float() - ref(x).float()).abs().max()
+
+
 def test_sharded_checkpoint_loads_same_as_single_file(tmp_path):
     hf_checkpoint(tmp_path / "sharded", shard="30KB", num_key_value_heads=2)
     assert (tmp_path / "sharded" / "model.safetensors.index.json").exists(), "not sharded"
@@ -92,12 +107,13 @@ def test_sharded_checkpoint_loads_same_as_single_file(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_incremental_decoding_equals_full_forward(dtype):
-    # bf16 on CPU takes another attention path for one query (float32): it must agree too.
+    # bf16 on CPU keeps a float32 cache and attends in float32 (model.cache_dtype): it must agree too.
     model = tiny_model().to(dtype)
     ids = [3, 14, 15, 9, 26, 5, 35, 8, 9, 7]
     with torch.no_grad():
         full, _, _ = run_full(model, ids)
         cache = model.new_cache(1, 64)
+        assert cache.k.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
         model(torch.tensor([ids[:4]]), torch.arange(4)[None], cache)
         steps = []
         for i in range(4, len(ids)):
