@@ -141,7 +141,11 @@ def run_bench(args, build) -> dict:
         methods += [m + COMPILED for m in methods]
     if args.peers:
         methods += PEERS
-    prompts = read_bench(args.bench, args.limit, args.categories, args.per_category)
+    from spec import prompt_limit
+    prompts = read_bench(args.bench, prompt_limit(args), args.categories, args.per_category)
+    turns = sum(len(p.turns) for p in prompts)
+    print(f"bench: {len(prompts)} prompts ({turns} turns) from {args.bench}, categories "
+          f"{', '.join(dict.fromkeys(p.category for p in prompts))}", file=sys.stderr)
     decoders, extra_mb, configs = {}, {}, {}
     for T in args.temperatures:
         targs = argparse.Namespace(**{**vars(args), "temperature": T})

@@ -483,8 +483,9 @@ def parse_args(argv=None):
                         "model, dtype and prompts, in one run, and print the ratio")
     p.add_argument("--prompts", help="JSONL prompts for --compare-hf: {prompt} or {turns: [...]} "
                                      "(first turn used); default: a few built-in prompts")
-    p.add_argument("--limit", type=int, default=10,
-                   help="prompts used from --prompts or --bench (0: all)")
+    p.add_argument("--limit", type=int,
+                   help="prompts used from --prompts or --bench (0: all; default 10, except "
+                        "that --bench with --per-category takes every prompt it selects)")
     p.add_argument("--verify-curve", action="store_true",
                    help="print the cost of one target forward over k new tokens, k = 1..64, "
                         "relative to k = 1: where verifying a tree stops being free")
@@ -649,6 +650,14 @@ BUILTIN_PROMPTS = ["What is the capital of France?", "Write a short story about 
                    "What is 17 times 23? Explain step by step."]
 
 
+def prompt_limit(args) -> int:
+    """--limit as given; unset: 10 prompts, or all that --bench --per-category selects (it
+    already says how many; a silent cap of 10 would drop whole categories)."""
+    if args.limit is not None:
+        return args.limit
+    return 0 if args.bench and args.per_category else 10
+
+
 def read_prompts(path: str | None, limit: int) -> list:
     """User prompts (first turns) from a JSONL prompt file, or a few built-in ones."""
     if path is None:
@@ -677,7 +686,7 @@ def compare_hf(args) -> dict:
         path, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     gen = GenConfig(args.max_new_tokens)
     rows = []
-    for i, prompt in enumerate([BUILTIN_PROMPTS[0]] + read_prompts(args.prompts, args.limit)):
+    for i, prompt in enumerate([BUILTIN_PROMPTS[0]] + read_prompts(args.prompts, prompt_limit(args))):
         ids = tokenizer.chat_prompt(prompt)
         a = generate_ar(ours, ids, gen, tokenizer.stop_ids)
         t0 = time.perf_counter()

@@ -236,6 +236,16 @@ def test_bench_reads_both_formats_and_names_bad_lines(tmp_path):
         read_bench(str(f))
 
 
+def test_bench_per_category_is_not_capped_by_the_default_limit():
+    from spec import parse_args, prompt_limit
+    # 5 categories x 3 prompts: all 15 run unless --limit says otherwise
+    bench = ["--bench", "p.jsonl", "--categories", "a,b,c,d,e", "--per-category", "3"]
+    assert prompt_limit(parse_args(bench)) == 0
+    assert prompt_limit(parse_args(bench + ["--limit", "4"])) == 4
+    assert prompt_limit(parse_args(["--bench", "p.jsonl"])) == 10
+    assert prompt_limit(parse_args(["--compare-hf"])) == 10
+
+
 @pytest.mark.slow
 def test_bench_end_to_end_with_compiled_rows(default_path, tmp_path):
     import spec
