@@ -205,22 +205,23 @@ def choose_tree_size(expected: dict, cost_ms: dict, draft_ms: float, extra: int 
     n + 1 + extra tokens), with the verify cost interpolated linearly between the measured k in
     cost_ms. extra: tokens that ride along in every verify pass (eagle2+ngram's lookup chain).
     -> (n, {n: predicted tokens per second}, {n: verify ms of n + 1 + extra tokens})."""
-    ks = sorted(cost_ms)
-
-    def verify(k):
-        if k >= ks[-1]:
-            return cost_ms[ks[-1]] * k / ks[-1]      # beyond the last measurement: proportional
-        if k <= ks[0]:
-            return cost_ms[ks[0]]
-        lo = max(j for j in ks if j <= k)
-        hi = min(j for j in ks if j >= k)
-        if hi == lo:
-            return cost_ms[lo]
-        return cost_ms[lo] + (cost_ms[hi] - cost_ms[lo]) * (k - lo) / (hi - lo)
-
-    verify_ms = {n: verify(n + 1 + extra) for n in expected}
+    verify_ms = {n: verify_cost(cost_ms, n + 1 + extra) for n in expected}
     speed = {n: 1000 * e / (draft_ms + verify_ms[n]) for n, e in expected.items()}
     return max(speed, key=speed.get), speed, verify_ms
+
+
+def verify_cost(cost_ms: dict, k: int) -> float:
+    """ms of a forward over k tokens, linear between the measured sizes in cost_ms {k: ms}."""
+    ks = sorted(cost_ms)
+    if k >= ks[-1]:
+        return cost_ms[ks[-1]] * k / ks[-1]          # beyond the last measurement: proportional
+    if k <= ks[0]:
+        return cost_ms[ks[0]]
+    lo = max(j for j in ks if j <= k)
+    hi = min(j for j in ks if j >= k)
+    if hi == lo:
+        return cost_ms[lo]
+    return cost_ms[lo] + (cost_ms[hi] - cost_ms[lo]) * (k - lo) / (hi - lo)
 
 
 # ---------------------------------------------------------------- the distilled draft model

@@ -16,14 +16,45 @@ import torch
 
 from kernels import target_probs, sample
 from model import Llama, LlamaConfig, linear, pack
-from tree import Tree, add_chain, ancestor_mask, chain, grow_tree
+from tree import Tree, add_chain, ancestor_mask, best_nodes, chain, grow_tree
+
+
+@dataclass
+class SizeRule:
+    """EAGLE-2's tree size chosen per step from the draft's own confidence, priced on this machine.
+
+    A drafted node's probability of being accepted is about exp(its cumulative log-probability)
+    (measured, shipped head, MT-bench: nodes scored 0.3-0.4 were accepted 30% of the time,
+    0.5-0.6 53%, 0.9-1.0 96%), so verifying the n best nodes is expected to yield
+    1 + p_1 + ... + p_n tokens. Each step takes the n that maximizes that minus the verify pass's
+    price, rate x verify_ms[n + 1 + riders]: a millisecond is worth `rate` tokens, the rate the
+    method reaches (tokens per ms; maximizing gain minus rate x cost per step is what maximizes
+    the long-run rate, Dinkelbach's rule). Confident steps verify big trees, unsure ones small
+    ones, down to the root alone (the cheap 1-token pass). Drafting stops early when the next
+    round cannot pay for itself: its nodes together are accepted with at most the frontier's
+    summed probability (a node's children share its own), which must beat rate x round_ms."""
+    verify_ms: list          # [k] ms of a target forward over k tokens (index 0 unused)
+    rate: float              # tokens per ms
+    round_ms: float          # ms of one drafting round
+
+    def size(self, probs: torch.Tensor, riders: int = 0) -> int:
+        """probs (M,) the drafted nodes' acceptance estimates, best first -> how many to verify.
+        riders: tokens verified beside the tree (a lookup chain)."""
+        M = max(min(probs.shape[0], len(self.verify_ms) - 2 - riders), 0)
+        gain = torch.cat([probs.new_zeros(1), probs[:M].cumsum(0)])      # (M + 1,)
+        price = self.rate * torch.tensor(self.verify_ms[1 + riders:M + 2 + riders])
+        return int((gain - price.to(gain.dtype)).argmax())
+
+    def keep_growing(self, frontier_logp: torch.Tensor) -> bool:
+        return float(frontier_logp.exp().sum()) >= self.rate * self.round_ms
 
 
 @dataclass
 class DraftConfig:
     depth: int = 4           # tokens drafted along each path (--num-speculative-tokens)
     top_k: int = 1           # children per expanded node; 1 drafts a chain (--draft-top-k)
-    total: int = 0           # nodes kept in a tree; 0 means depth * top_k
+    total: int = 0           # nodes kept in a tree (with `rule`: at most); 0 means depth * top_k
+    rule: SizeRule | None = None   # EAGLE-2: choose the size per step (--tree-size auto)
 
     def __post_init__(self):
         if self.depth < 1 or self.top_k < 1 or self.total < 0:
@@ -213,7 +244,8 @@ class EagleProposer:
         embeds = self.target.embed(tokens.to(self.device))[None]            # (1, T, C)
         return self.head(feats[None], embeds, positions[None].to(self.device), self.cache, mask)[0]
 
-    def propose(self, root: int, gen, generator) -> tuple:
+    def propose(self, root: int, gen, generator, riders: int = 0) -> tuple:
+        """riders: tokens verified beside this tree (a lookup chain), priced by config.rule."""
         start, P = self.cache.length, self.pending_feats.shape[0]
         tokens = torch.tensor(self.pending_tokens + [root])                  # (P,)
         out = self.feed(self.pending_feats, tokens, torch.arange(start, start + P))
@@ -223,11 +255,15 @@ class EagleProposer:
         self.node_out[0] = out[-1]
         self.node_slot = torch.full((n,), -1, dtype=torch.long)
         self.node_slot[0] = self.root_slot
-        if self.static is None:
-            tree, _ = grow_tree(self.expand, root, self.config.depth, self.config.top_k,
-                                self.config.total, self.vocab_ids)
-            return tree, None
-        return self.static_tree(root), None
+        if self.static is not None:
+            return self.static_tree(root), None
+        rule = self.config.rule
+        tree, _ = grow_tree(self.expand, root, self.config.depth, self.config.top_k,
+                            self.config.total, self.vocab_ids, rule and rule.keep_growing)
+        if rule is not None:
+            n = rule.size(tree.scores[1:].sort(descending=True).values.exp(), riders)
+            tree, _ = best_nodes(tree, n)
+        return tree, None
 
     def expand(self, frontier: torch.Tensor, tree: Tree) -> torch.Tensor:
         """Feed the frontier nodes (each seeing its ancestors); (F, R) log-probs of their children."""
@@ -302,8 +338,9 @@ class LookupEagleProposer:
         self.lookup.start(prompt_ids)
 
     def propose(self, root: int, gen, generator) -> tuple:
-        tree, _ = self.eagle.propose(root, gen, generator)
-        return add_chain(tree, self.lookup.continuation(root).tolist()), None
+        lookup = self.lookup.continuation(root).tolist()
+        tree, _ = self.eagle.propose(root, gen, generator, riders=len(lookup))
+        return add_chain(tree, lookup), None
 
     def commit(self, tree: Tree, accepted: torch.Tensor, hidden=None) -> None:
         self.eagle.commit(tree, accepted, hidden)             # both read only the accepted path

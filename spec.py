@@ -258,26 +258,33 @@ def head_proposer(args, target, slots, tokenizer, extra: int = 0):
     # measured P(rank r right | path right) by depth; EAGLE-2 only ever drafts ranks < top_k
     accuracy = [row[:top_k] if args.method == "eagle2" else row for row in config.accuracy[:depth]]
 
-    def make(size: int):
-        if args.method == "eagle2":
-            return EagleProposer(target, head, DraftConfig(depth, top_k, size), slots)
+    def make(size: int, rule=None):
+        if args.method == "eagle2":                # with a rule: `size` is the most per step
+            return EagleProposer(target, head, DraftConfig(depth, top_k, size, rule), slots)
         if not accuracy:
             raise ValueError(f"{folder}/config.json has no measured accuracy to build a tree from")
         tree = static_tree(best_paths(accuracy, size))
         return (MedusaProposer(target, head, tree) if kind == "medusa" else
                 EagleProposer(target, head, DraftConfig(depth), slots, tree))
 
+    rule = None
     if args.tree_size == "auto":
-        size = auto_tree_size(args, target, tokenizer, accuracy, make, extra)
+        size, rule = auto_tree_size(args, target, tokenizer, accuracy, make, extra)
     else:
         size = args.tree_size or depth * top_k                        # 0: as --help says
-    proposer = make(size)
+    proposer = make(min(drafted_nodes(depth, top_k), AUTO_MAX) if rule else size, rule)
     proj = proposer.proj.numel() * proposer.proj.element_size()
     memory = sum(p.numel() * p.element_size() for p in head.parameters()) + packed + proj
     if isinstance(proposer, EagleProposer) and proposer.packed is not None:
         memory += proj                                                   # its prepacked copy
     return proposer, {"draft": folder, "draft_params": sum(p.numel() for p in head.parameters()),
-                      "draft_memory_mb": round(memory / 2**20, 1), "tree_size": size}
+                      "draft_memory_mb": round(memory / 2**20, 1), "tree_size": size,
+                      "per_step": rule is not None}
+
+
+def drafted_nodes(depth: int, top_k: int) -> int:
+    """Nodes EAGLE-2 drafts in all: top_k children of the root, then top_k x top_k per round."""
+    return top_k + (depth - 1) * top_k * top_k
 
 
 # ---------------------------------------------------------------- --tree-size auto
@@ -286,12 +293,16 @@ AUTO_MAX = 48                                   # largest tree --tree-size auto 
 COST_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, AUTO_MAX + 1)
 
 
-def auto_tree_size(args, target, tokenizer, accuracy, make, extra: int = 0) -> int:
+def auto_tree_size(args, target, tokenizer, accuracy, make, extra: int = 0) -> tuple:
     """The tree size with the most expected tokens per second on this machine: the head's
     measured accuracies give the expected tokens per step of each size (as Medusa's tree
     search does), the measured (cached) verify cost and draft time give the seconds. extra
-    tokens (a lookup chain) are priced into every verify pass, not into the tokens gained."""
-    from heads import choose_tree_size, expected_length
+    tokens (a lookup chain) are priced into every verify pass, not into the tokens gained.
+
+    -> (size, rule): for EAGLE-2 also a proposers.SizeRule that chooses the size again at every
+    step from the draft's own scores, at the rate this size predicts; None for static trees."""
+    from heads import choose_tree_size, expected_length, verify_cost
+    from proposers import SizeRule
     if not accuracy:
         raise ValueError("--tree-size auto needs the head's measured accuracy table (config.json)")
     expected = {n: expected_length(accuracy, n) for n in range(1, AUTO_MAX + 1)}
@@ -306,7 +317,16 @@ def auto_tree_size(args, target, tokenizer, accuracy, make, extra: int = 0) -> i
         mark = "  <- chosen" if n == size else ""
         print(f"{n:6d}{verify_ms[n]:11.1f}{expected[n]:11.2f}{speed[n]:8.1f}"
               f"{mark}", file=sys.stderr)
-    return size
+    from model import compiles_trees
+    if args.method != "eagle2" or (args.compile and compiles_trees(target)):
+        return size, None             # static trees; or every tree padded to one compiled shape
+    most = min(drafted_nodes(args.num_speculative_tokens, args.draft_top_k), AUTO_MAX)
+    rule = SizeRule([verify_cost(costs, k) for k in range(most + extra + 2)],
+                    rate=speed[size] / 1000, round_ms=draft_ms / args.num_speculative_tokens)
+    print(f"  per step: verify the n of up to {most} drafted nodes that maximize 1 + their summed "
+          f"probabilities - {rule.rate:.3f} tokens/ms x verify ms; stop drafting when a round "
+          f"cannot add {rule.rate * rule.round_ms:.2f} expected tokens", file=sys.stderr)
+    return size, rule
 
 
 class TimedProposer:
@@ -475,7 +495,9 @@ def parse_args(argv=None):
                    help="draft nodes verified per step (0: depth x top-k; auto: the size with "
                         "the most expected tokens/s on this machine, from the head's measured "
                         "accuracy and the measured verify cost, for medusa, eagle, eagle2 and "
-                        "eagle2+ngram (its lookup chain priced into every verify); "
+                        "eagle2+ngram (its lookup chain priced into every verify); for eagle2 "
+                        "auto then chooses again at every step from the draft's own "
+                        "probabilities, and stops drafting rounds that cannot pay; "
                         "default: " +
                         ", ".join(f"{m} {d[2]}" for m, d in TREE_DEFAULTS.items()) + ")")
     p.add_argument("--compare-hf", action="store_true",
@@ -591,9 +613,10 @@ def bench_decoder(args, method: str, target, tokenizer) -> tuple:
                                     target.config.max_positions + extra + 1)
     depth, top_k = margs.num_speculative_tokens, margs.draft_top_k
     size = info.get("tree_size") or margs.tree_size or depth * top_k
-    config = (f"{depth} x top-{top_k}, {size} nodes + lookup {lookup_depth(margs)}"
+    nodes = "size per step" if info.get("per_step") else f"{size} nodes"
+    config = (f"{depth} x top-{top_k}, {nodes} + lookup {lookup_depth(margs)}"
               if method == "eagle2+ngram" else
-              f"{depth} x top-{top_k}, {size} nodes" if method == "eagle2" else
+              f"{depth} x top-{top_k}, {nodes}" if method == "eagle2" else
               f"{size}-node tree" if method in ("medusa", "eagle") else
               f"chain of {depth}" if top_k == 1 else f"{depth} x top-{top_k}, {size} nodes")
     return (lambda ids: generate_spec(target, proposer, ids, gen, tokenizer.stop_ids, pad=pad),

@@ -477,7 +477,9 @@ def test_tree_size_auto_runs_end_to_end_and_stays_lossless(default_target, monke
                                                                    49: 200.0})
     args = spec.parse_args(["--method", "eagle2", "--dtype", "float32", "--tree-size", "auto"])
     proposer, info = spec.build_proposer(args, target, tokenizer, 1024)
-    assert 1 <= info["tree_size"] <= 16 and "<- chosen" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert 1 <= info["tree_size"] <= 16 and "<- chosen" in err
+    assert info["per_step"] and proposer.config.rule is not None and "per step:" in err
     ids = tokenizer.chat_prompt("Name three rivers.")
     assert (generate_spec(target, proposer, ids, GenConfig(32), tokenizer.stop_ids).token_ids ==
             generate_ar(target, ids, GenConfig(32), tokenizer.stop_ids).token_ids)
@@ -557,3 +559,44 @@ def test_eagle2_plus_lookup_is_lossless_greedy_and_seeded_when_sampling(temperat
         assert max(out.drafted) > 5, "the lookup branch should have added nodes"
     else:
         assert out.token_ids == generate_spec(target, proposer, prompt, gen).token_ids
+
+
+def test_size_rule_takes_the_best_priced_size_and_stops_unpaid_rounds():
+    from proposers import SizeRule
+    verify = [0.0, 16.0, 22.0, 22.5, 23.0, 24.0, 26.0, 28.0, 31.0, 34.0, 38.0, 42.0]   # [k] ms
+    rule = SizeRule(verify, rate=0.08, round_ms=2.0)
+    for probs, riders in [([0.9, 0.8, 0.5, 0.2, 0.1], 0), ([0.3, 0.1, 0.05], 0),
+                          ([0.45, 0.4, 0.3, 0.2], 0), ([0.9] * 12, 0), ([0.6, 0.5, 0.1], 4)]:
+        p = torch.tensor(probs, dtype=torch.float64)
+        fits = min(len(probs), len(verify) - 2 - riders)
+        brute = max(range(fits + 1),
+                    key=lambda n: 1 + sum(probs[:n]) - 0.08 * verify[n + 1 + riders])
+        assert rule.size(p, riders) == brute, (probs, riders)
+    assert rule.size(torch.tensor([0.3, 0.1, 0.05]), 0) == 0         # unsure: the root alone
+    assert rule.size(torch.tensor([0.9] * 12), 0) == 10               # capped by the curve
+    # a round adds at most the frontier's summed probability: worth 0.08 x 2 ms = 0.16 tokens
+    assert rule.keep_growing(torch.tensor([0.1, 0.07]).log())
+    assert not rule.keep_growing(torch.tensor([0.1, 0.05]).log())
+
+
+def test_grow_tree_stops_when_told_and_per_step_sizes_stay_lossless():
+    from proposers import SizeRule
+    from tree import grow_tree
+    rounds = []
+
+    def expand(frontier, tree):
+        rounds.append(len(frontier))
+        return torch.log_softmax(torch.arange(6.0).repeat(len(frontier), 1), -1)
+    tree, _ = grow_tree(expand, 0, 4, 2, 20, keep_growing=lambda scores: len(rounds) < 2)
+    assert len(rounds) == 2 and int(tree.depths.max()) == 2
+
+    # random float64 heads: sizes vary step to step (root alone included), output stays plain greedy
+    gen = GenConfig(max_new_tokens=40)
+    for seed in range(3):
+        target = tiny_model(seed)
+        rule = SizeRule([0.0] + [10.0 + k for k in range(1, 40)], rate=0.5, round_ms=1.0)
+        proposer = EagleProposer(target, random_eagle(target, seed), DraftConfig(3, 3, 20, rule), 256)
+        for prompt in ([1, 2, 3], [11, 5, 9, 30, 2, 8]):
+            out = generate_spec(target, proposer, prompt, gen)
+            assert out.token_ids == generate_ar(target, prompt, gen).token_ids
+            assert min(out.drafted) == 0 < max(out.drafted), f"seed {seed}: {out.drafted}"

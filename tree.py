@@ -117,7 +117,8 @@ def static_tree(paths: list) -> StaticTree:
     return StaticTree(parents, depths, ranks, mask, retrieve_indices(mask, depths))
 
 
-def grow_tree(expand, root: int, depth: int, top_k: int, total: int, vocab_ids=None) -> tuple:
+def grow_tree(expand, root: int, depth: int, top_k: int, total: int, vocab_ids=None,
+              keep_growing=None) -> tuple:
     """EAGLE-2's dynamic draft tree (Li et al. 2024, arXiv 2406.16858, Sec. 4).
 
     For `depth` rounds, expand the `top_k` nodes of the newest layer with the highest cumulative
@@ -127,10 +128,14 @@ def grow_tree(expand, root: int, depth: int, top_k: int, total: int, vocab_ids=N
 
     expand(frontier (F,) node indices, tree so far) -> (F, V) log-probabilities of their children,
     or (F, R) over a reduced draft vocabulary whose target ids are vocab_ids (R,).
+    keep_growing(cumulative log-probabilities of the next frontier (F,)) -> bool, asked before
+    every round after the first: False stops drafting early (see proposers.SizeRule).
     Returns the kept Tree (parents before children) and kept (N,) indices into the grown tree."""
     tree = Tree(torch.tensor([root]), torch.tensor([-1]), torch.tensor([0]), torch.zeros(1))
     frontier = torch.tensor([0])
-    for _ in range(depth):
+    for step in range(depth):
+        if step and keep_growing is not None and not keep_growing(tree.scores[frontier]):
+            break
         logp = expand(frontier, tree)                                  # (F, V)
         top_logp, top_tok = logp.float().topk(top_k, dim=-1)           # (F, k)
         top_tok = top_tok if vocab_ids is None else vocab_ids[top_tok]
@@ -141,8 +146,16 @@ def grow_tree(expand, root: int, depth: int, top_k: int, total: int, vocab_ids=N
                     torch.cat([tree.depths, tree.depths[frontier].repeat_interleave(top_k) + 1]),
                     torch.cat([tree.scores, cand]))
         frontier = first + cand.topk(min(top_k, cand.numel())).indices.sort().values
-    order = torch.sort(tree.scores[1:], descending=True, stable=True).indices[:total] + 1
-    kept = torch.cat([torch.tensor([0]), order.sort().values])       # (N,) parents first
+    return best_nodes(tree, total)
+
+
+def best_nodes(tree: Tree, n: int) -> tuple:
+    """The root and the n nodes with the highest scores, as a Tree, and their (n + 1,) indices.
+
+    A stable sort puts a parent before a child of equal score, and a child never scores above
+    its parent (scores are cumulative log-probabilities), so the kept nodes form a subtree."""
+    order = torch.sort(tree.scores[1:], descending=True, stable=True).indices[:n] + 1
+    kept = torch.cat([torch.tensor([0]), order.sort().values])       # (n + 1,) parents first
     return subtree(tree, kept), kept
 
 
