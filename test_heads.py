@@ -349,6 +349,8 @@ def test_show_tree_renders_a_known_tree():
                     "`-- 'c' 0.14"), text
     nothing = render_tree(tree, lambda t: chr(ord("a") + t - 10), [0], 15)
     assert nothing.endswith("nothing accepted  -> 'f'") and "*" not in nothing
+    root_alone = make_tree([10], [-1], torch.zeros(1))
+    assert render_tree(root_alone, lambda t: "a", [0], 15) == "'a' (root)\nnothing drafted  -> 'a'"
 
 
 def test_training_data_reads_both_formats_and_names_bad_lines(tmp_path):

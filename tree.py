@@ -209,6 +209,8 @@ def render_tree(tree: Tree, label, accepted, bonus: int) -> str:
             walk(c, prefix + ("    " if last else "|   "))
 
     walk(0, "")
-    if len(accepted) == 1:
+    if tree.size == 1:           # EAGLE-2's per-step size: the draft was too unsure to verify
+        lines.append(f"nothing drafted  -> {label(bonus)!r}")
+    elif len(accepted) == 1:
         lines.append(f"nothing accepted  -> {label(bonus)!r}")
     return "\n".join(lines)
