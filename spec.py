@@ -302,6 +302,7 @@ def auto_tree_size(args, target, tokenizer, accuracy, make, extra: int = 0) -> t
     -> (size, rule): for EAGLE-2 also a proposers.SizeRule that chooses the size again at every
     step from the draft's own scores, at the rate this size predicts; None for static trees."""
     from heads import choose_tree_size, expected_length, verify_cost
+    from model import compiles_trees
     from proposers import SizeRule
     if not accuracy:
         raise ValueError("--tree-size auto needs the head's measured accuracy table (config.json)")
@@ -317,7 +318,6 @@ def auto_tree_size(args, target, tokenizer, accuracy, make, extra: int = 0) -> t
         mark = "  <- chosen" if n == size else ""
         print(f"{n:6d}{verify_ms[n]:11.1f}{expected[n]:11.2f}{speed[n]:8.1f}"
               f"{mark}", file=sys.stderr)
-    from model import compiles_trees
     if args.method != "eagle2" or (args.compile and compiles_trees(target)):
         return size, None             # static trees; or every tree padded to one compiled shape
     most = min(drafted_nodes(args.num_speculative_tokens, args.draft_top_k), AUTO_MAX)
@@ -709,7 +709,8 @@ def compare_hf(args) -> dict:
         path, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     gen = GenConfig(args.max_new_tokens)
     rows = []
-    for i, prompt in enumerate([BUILTIN_PROMPTS[0]] + read_prompts(args.prompts, prompt_limit(args))):
+    prompts = read_prompts(args.prompts, prompt_limit(args))
+    for i, prompt in enumerate([BUILTIN_PROMPTS[0]] + prompts):
         ids = tokenizer.chat_prompt(prompt)
         a = generate_ar(ours, ids, gen, tokenizer.stop_ids)
         t0 = time.perf_counter()

@@ -597,7 +597,8 @@ def test_grow_tree_stops_when_told_and_per_step_sizes_stay_lossless():
     for seed in range(3):
         target = tiny_model(seed)
         rule = SizeRule([0.0] + [10.0 + k for k in range(1, 40)], rate=0.5, round_ms=1.0)
-        proposer = EagleProposer(target, random_eagle(target, seed), DraftConfig(3, 3, 20, rule), 256)
+        proposer = EagleProposer(target, random_eagle(target, seed), DraftConfig(3, 3, 20, rule),
+                                 256)
         for prompt in ([1, 2, 3], [11, 5, 9, 30, 2, 8]):
             out = generate_spec(target, proposer, prompt, gen)
             assert out.token_ids == generate_ar(target, prompt, gen).token_ids
