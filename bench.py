@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from spec import jsonl_rows
+from spec import jsonl_rows, prompt_limit
 
 
 @dataclass
@@ -141,7 +141,6 @@ def run_bench(args, build) -> dict:
         methods += [m + COMPILED for m in methods]
     if args.peers:
         methods += PEERS
-    from spec import prompt_limit
     prompts = read_bench(args.bench, prompt_limit(args), args.categories, args.per_category)
     turns = sum(len(p.turns) for p in prompts)
     print(f"bench: {len(prompts)} prompts ({turns} turns) from {args.bench}, categories "

@@ -272,7 +272,7 @@ def head_proposer(args, target, slots, tokenizer, extra: int = 0):
         size, rule = auto_tree_size(args, target, tokenizer, accuracy, make, extra)
     else:
         size = args.tree_size or depth * top_k                        # 0: as --help says
-    proposer = make(min(drafted_nodes(depth, top_k), AUTO_MAX) if rule else size, rule)
+    proposer = make(per_step_most(depth, top_k) if rule else size, rule)
     proj = proposer.proj.numel() * proposer.proj.element_size()
     memory = sum(p.numel() * p.element_size() for p in head.parameters()) + packed + proj
     if isinstance(proposer, EagleProposer) and proposer.packed is not None:
@@ -282,15 +282,16 @@ def head_proposer(args, target, slots, tokenizer, extra: int = 0):
                       "per_step": rule is not None}
 
 
-def drafted_nodes(depth: int, top_k: int) -> int:
-    """Nodes EAGLE-2 drafts in all: top_k children of the root, then top_k x top_k per round."""
-    return top_k + (depth - 1) * top_k * top_k
-
-
 # ---------------------------------------------------------------- --tree-size auto
 
 AUTO_MAX = 48                                   # largest tree --tree-size auto considers
 COST_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, AUTO_MAX + 1)
+
+
+def per_step_most(depth: int, top_k: int) -> int:
+    """Most nodes EAGLE-2's per-step size may verify: all it drafts (top_k children of the
+    root, then top_k x top_k per round), at most AUTO_MAX."""
+    return min(top_k + (depth - 1) * top_k * top_k, AUTO_MAX)
 
 
 def auto_tree_size(args, target, tokenizer, accuracy, make, extra: int = 0) -> tuple:
@@ -320,7 +321,7 @@ def auto_tree_size(args, target, tokenizer, accuracy, make, extra: int = 0) -> t
               f"{mark}", file=sys.stderr)
     if args.method != "eagle2" or (args.compile and compiles_trees(target)):
         return size, None             # static trees; or every tree padded to one compiled shape
-    most = min(drafted_nodes(args.num_speculative_tokens, args.draft_top_k), AUTO_MAX)
+    most = per_step_most(args.num_speculative_tokens, args.draft_top_k)
     rule = SizeRule([verify_cost(costs, k) for k in range(most + extra + 2)],
                     rate=speed[size] / 1000, round_ms=draft_ms / args.num_speculative_tokens)
     print(f"  per step: verify the n of up to {most} drafted nodes that maximize 1 + their summed "
