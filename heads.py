@@ -31,26 +31,50 @@ class HeadConfig:
     layer: dict = field(default_factory=dict)     # EAGLE: LlamaConfig fields of its decoder layer
     accuracy: list = field(default_factory=list)  # [depth][rank] measured P(correct | path so far)
     own_projection: bool = False  # Medusa: each head has its own (M, R, C) projection
+    taps: list = field(default_factory=list)      # EAGLE: target layers fused with the final one
 
     def check(self, target: LlamaConfig, folder: str) -> None:
         if (self.hidden_size, self.vocab_size) != (target.hidden_size, target.vocab_size):
             raise LoadError(f"{folder}: head trained for hidden size {self.hidden_size} and vocab "
                             f"{self.vocab_size}, but the target has {target.hidden_size} and "
                             f"{target.vocab_size}; train a head for this target")
+        if any(not 0 <= t < target.num_layers for t in self.taps):
+            raise LoadError(f"{folder}: head taps layers {self.taps}, but the target has "
+                            f"{target.num_layers} layers")
 
 
 class EagleHead(nn.Module):
     """EAGLE (Li et al. 2024, arXiv 2401.15077): fc over [embedding of the next token; feature],
-    one Llama decoder layer with its own KV cache, output = predicted next feature."""
+    one Llama decoder layer with its own KV cache, output = predicted next feature.
 
-    def __init__(self, layer: LlamaConfig, vocab_ids: torch.Tensor):
+    With taps (EAGLE-3, Li et al. 2025, arXiv 2503.01840), the feature of a committed token is
+    fused from the outputs of the target layers `taps` and its final feature: fuse(kC + C -> C),
+    started as a pass-through of the final feature, so a trained head gains taps unchanged."""
+
+    def __init__(self, layer: LlamaConfig, vocab_ids: torch.Tensor, taps=()):
         super().__init__()
         C = layer.hidden_size
-        self.layer_config = layer
+        self.layer_config, self.taps = layer, tuple(taps)
         self.fc = Linear(2 * C, C)
         self.layer = Block(layer)
+        if self.taps:
+            self.fuse = Linear((len(self.taps) + 1) * C, C, bias=False)
+            with torch.no_grad():                                       # [0 ... 0 | I]
+                self.fuse.weight.zero_()[:, -C:] = torch.eye(C)
         self.register_buffer("vocab_ids", vocab_ids.long())              # (R,)
         self.register_buffer("inv_freq", rope_inv_freq(layer), persistent=False)
+
+    def fuse_features(self, feats):
+        """(..., (k + 1) C) the target's tapped and final features -> (..., C); without taps the
+        (..., C) final feature passes as it is."""
+        if not self.taps:
+            return feats
+        C = self.layer_config.hidden_size
+        tapped = feats[..., :-C].unflatten(-1, (len(self.taps), C))     # (..., k, C)
+        # a parameter-free RMS norm: the residual stream's scale grows from layer to layer
+        scale = torch.rsqrt(tapped.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+        tapped = (tapped.float() * scale).to(feats.dtype)
+        return self.fuse(torch.cat([tapped.flatten(-2), feats[..., -C:]], dim=-1))
 
     def forward(self, feats, embeds, positions, cache: KVCache, mask=None):
         """feats, embeds (B, T, C), positions (B, T) -> predicted next features (B, T, C).
@@ -107,7 +131,7 @@ def projection(target, vocab_ids: torch.Tensor) -> torch.Tensor:
 
 def build_head(config: HeadConfig, vocab_ids: torch.Tensor) -> nn.Module:
     if config.kind == "eagle":
-        return EagleHead(LlamaConfig(**config.layer), vocab_ids)
+        return EagleHead(LlamaConfig(**config.layer), vocab_ids, config.taps)
     return MedusaHeads(config.hidden_size, config.num_heads, vocab_ids, config.own_projection)
 
 

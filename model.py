@@ -329,13 +329,16 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
-    def forward(self, tokens, positions, cache: KVCache, mask=None, last_only=False):
+    def forward(self, tokens, positions, cache: KVCache, mask=None, last_only=False, taps=()):
         """tokens, positions (B, T) long -> logits (B, T or 1, V), final hidden (B, T, C).
 
         The T tokens are written to cache slots [cache.length, cache.length + T) and the length
         moves past them. `mask` (T, T) bool says which new tokens each new token sees (None:
-        causal), all of them seeing the whole prefix; or (T, length + T) says it for every slot. Positions are absolute, so a tree
-        node's position is prefix length + depth, not its slot."""
+        causal), all of them seeing the whole prefix; or (T, length + T) says it for every slot.
+        Positions are absolute, so a tree node's position is prefix length + depth, not its slot.
+        taps: indices of layers whose outputs (the residual stream after them) come back too,
+        before the final feature: hidden is then (B, T, (len(taps) + 1) C), the low and middle
+        features EAGLE-3 fuses with the final one."""
         B, T = tokens.shape
         start = cache.length
         if start + T > cache.slots:
@@ -344,13 +347,16 @@ class Llama(nn.Module):
         cos, sin = rope_cos_sin(self.inv_freq, positions.expand(B, T), self.embed.weight.dtype)
         x = self.embed(tokens)                                          # (B, T, C)
         few = B * T <= 2 and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+        tapped = []
         with onednn(enabled=not few):
             for i, layer in enumerate(self.layers):
                 x = layer(x, cos, sin, cache.k[i], cache.v[i], start, full_mask)
+                if i in taps:
+                    tapped.append(x)
             hidden = self.norm(x)
             logits = self.lm_head(hidden[:, -1:] if last_only else hidden)  # (B, T or 1, V)
         cache.length = start + T
-        return logits, hidden
+        return logits, torch.cat(tapped + [hidden], dim=-1) if taps else hidden
 
     def new_cache(self, batch: int = 1, slots: int | None = None) -> KVCache:
         w = self.embed.weight

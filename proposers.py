@@ -110,6 +110,7 @@ class DraftModelProposer:
         self.model, self.config, self.slots = model, config, slots
         self.device = model.embed.weight.device
         self.max_nodes = config.total + 1            # verified nodes per step, root included
+        self.taps = ()                               # reads no target features
 
     def start(self, prompt_ids: list, hidden=None) -> None:
         self.cache = self.model.new_cache(1, self.slots)
@@ -189,6 +190,7 @@ class PromptLookupProposer:
             raise ValueError(f"prompt lookup needs depth >= 1 and n >= 1, got {depth}, {max_ngram}")
         self.depth, self.max_ngram = depth, max_ngram
         self.max_nodes = depth + 1
+        self.taps = ()
 
     def start(self, prompt_ids: list, hidden=None) -> None:
         self.context = torch.tensor(prompt_ids, dtype=torch.long)
@@ -230,6 +232,7 @@ class EagleProposer:
         self.packed = pack(self.proj)                     # CPU bf16: rounds of 3+ nodes (model.py)
         self.vocab_ids = head.vocab_ids.cpu()
         self.max_nodes = (static.parents.shape[0] if static is not None else config.total + 1)
+        self.taps = head.taps                   # target layers whose outputs the head reads
 
     def start(self, prompt_ids: list, hidden=None) -> None:
         self.cache = self.head.new_cache(self.slots)
@@ -248,7 +251,8 @@ class EagleProposer:
         """riders: tokens verified beside this tree (a lookup chain), priced by config.rule."""
         start, P = self.cache.length, self.pending_feats.shape[0]
         tokens = torch.tensor(self.pending_tokens + [root])                  # (P,)
-        out = self.feed(self.pending_feats, tokens, torch.arange(start, start + P))
+        feats = self.head.fuse_features(self.pending_feats)                 # (P, C)
+        out = self.feed(feats, tokens, torch.arange(start, start + P))
         self.root_slot = self.cache.length - 1                # root's entry: its feature, root
         n = self.config.grown_nodes if self.static is None else self.static.parents.shape[0]
         self.node_out = out.new_zeros(n, out.shape[1])                      # (nodes, C)
@@ -306,6 +310,7 @@ class MedusaProposer:
         self.proj = projection(target, head.vocab_ids)                      # (R, C)
         self.vocab_ids = head.vocab_ids.cpu()
         self.max_nodes = static.parents.shape[0]
+        self.taps = ()                                # the final feature only
         if int(static.depths.max()) > len(head.blocks):
             raise ValueError(f"tree depth {int(static.depths.max())} > {len(head.blocks)} heads")
 
@@ -332,6 +337,7 @@ class LookupEagleProposer:
     def __init__(self, eagle: EagleProposer, lookup: PromptLookupProposer):
         self.eagle, self.lookup = eagle, lookup
         self.max_nodes = eagle.max_nodes + lookup.depth
+        self.taps = eagle.taps
 
     def start(self, prompt_ids: list, hidden=None) -> None:
         self.eagle.start(prompt_ids, hidden)

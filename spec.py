@@ -123,8 +123,10 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
     max_nodes = proposer.max_nodes
     cache = target.new_cache(1, check_room(target, prompt_ids, gen, max_nodes))
     result, t0 = Result(), time.perf_counter()
+    taps = proposer.taps                 # target layers an EAGLE-3 head reads beside the last
     logits, hidden = target(torch.tensor([prompt_ids], device=device),
-                            torch.arange(len(prompt_ids), device=device)[None], cache, last_only=True)
+                            torch.arange(len(prompt_ids), device=device)[None], cache,
+                            last_only=True, taps=taps)
     result.target_forwards = 1
     root = int(next_tokens(logits[0, -1], gen.temperature, gen.top_p, generator))
     done = take(result, [root], stop_ids, gen.max_new_tokens)
@@ -138,7 +140,8 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
         tokens, pos, seen = tree.tokens, positions(tree.depths, start), mask
         if pad:
             tokens, pos, seen = pad_inputs(tokens, pos, mask, max_nodes)
-        logits, hidden = target(tokens[None].to(device), pos[None].to(device), cache, seen)
+        logits, hidden = target(tokens[None].to(device), pos[None].to(device), cache, seen,
+                                taps=taps)
         logits, hidden = logits[:, :tree.size], hidden[:, :tree.size]    # pads dropped
         result.target_forwards += 1
         accepted, root = verify(logits[0], tree, mask, q, gen, generator)
@@ -334,7 +337,7 @@ class TimedProposer:
     """Wraps a proposer and records the seconds of each propose() call."""
 
     def __init__(self, inner):
-        self.inner, self.max_nodes, self.seconds = inner, inner.max_nodes, []
+        self.inner, self.max_nodes, self.taps, self.seconds = inner, inner.max_nodes, inner.taps, []
 
     def start(self, prompt_ids, hidden=None):
         self.inner.start(prompt_ids, hidden)

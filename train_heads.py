@@ -54,12 +54,13 @@ def read_conversations(path: str) -> list:
 # ---------------------------------------------------------------- the target writes and reads
 
 @torch.inference_mode()
-def teacher_forced(target: Llama, seqs: list) -> list:
-    """Run full sequences (right-padded: causal attention never looks right) -> hidden (L_i, C)."""
+def teacher_forced(target: Llama, seqs: list, taps=()) -> list:
+    """Run full sequences (right-padded: causal attention never looks right) -> hidden (L_i, C),
+    or (L_i, (k + 1) C) with the k tapped layers' outputs first (Llama.forward's taps)."""
     L = max(len(s) for s in seqs)
     ids = torch.tensor([s + [0] * (L - len(s)) for s in seqs])            # (B, L)
     cache = target.new_cache(len(seqs), L)
-    _, hidden = target(ids, torch.arange(L)[None], cache, last_only=True)  # (B, L, C)
+    _, hidden = target(ids, torch.arange(L)[None], cache, last_only=True, taps=taps)
     return [hidden[b, :len(s)].clone() for b, s in enumerate(seqs)]
 
 
@@ -105,15 +106,13 @@ def batched_greedy(target: Llama, prompts: list, max_new: int, stop_ids) -> list
 
 def save_shard(path: str, tokens: list, hidden: list, prompt_lens: list) -> None:
     """One shard: flat tokens and 16-bit hidden states with offsets; written atomically."""
-    from safetensors.torch import save_file
     lengths = torch.tensor([len(t) for t in tokens])
     tensors = {"tokens": torch.tensor([t for s in tokens for t in s], dtype=torch.int32),
                "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
                "prompt_lens": torch.tensor(prompt_lens),
                # hidden state of every token but each sequence's last (never fed to the target)
                "hidden": torch.cat([h[:len(t) - 1] for t, h in zip(tokens, hidden)]).bfloat16()}
-    save_file(tensors, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    save_tensors(tensors, path)
 
 
 def extract_features(target: Llama, tokenizer, rows: list, out: str, batch: int,
@@ -146,6 +145,47 @@ def extract_features(target: Llama, tokenizer, rows: list, out: str, batch: int,
     bar.close()
 
 
+def taps_key(taps) -> str:
+    return "taps_" + "_".join(map(str, taps))
+
+
+def add_taps(target: Llama, folder: str, taps: tuple, batch: int) -> None:
+    """Add the outputs of target layers `taps` to every shard of `folder` that lacks them,
+    teacher-forced from the shard's own tokens (its answers stay the ones the target wrote).
+    Only the layers up to the last tap run. Shard by shard, atomically: resumable."""
+    from proposers import truncated_draft
+    from safetensors.torch import load_file
+    if max(taps) >= target.config.num_layers:
+        raise ValueError(f"--taps {list(taps)}: the target has layers 0..{target.config.num_layers - 1}")
+    names = sorted(f for f in os.listdir(folder) if f.startswith("shard_") and f.endswith(".safetensors"))
+    part, key = truncated_draft(target, max(taps) + 1), taps_key(taps)
+    todo = [n for n in names if key not in shard_keys(os.path.join(folder, n))]
+    for name in tqdm(todo, desc=f"layers {', '.join(map(str, taps))}", unit="shard"):
+        t = load_file(os.path.join(folder, name))
+        off = t["offsets"].tolist()
+        seqs = [t["tokens"][off[i]:off[i + 1]].tolist() for i in range(len(off) - 1)]
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))     # little padding
+        tapped = [None] * len(seqs)
+        for i in range(0, len(order), batch):
+            rows = order[i:i + batch]
+            for r, h in zip(rows, teacher_forced(part, [seqs[r] for r in rows], taps)):
+                tapped[r] = h[:-1, :-target.config.hidden_size]          # (n - 1, k C)
+        t[key] = torch.cat(tapped).bfloat16()
+        save_tensors(t, os.path.join(folder, name))
+
+
+def shard_keys(path: str) -> set:
+    from safetensors import safe_open
+    with safe_open(path, "pt") as f:
+        return set(f.keys())
+
+
+def save_tensors(tensors: dict, path: str) -> None:
+    from safetensors.torch import save_file
+    save_file(tensors, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
 # ---------------------------------------------------------------- training data from the shards
 
 @dataclass
@@ -153,20 +193,31 @@ class Seq:
     tokens: torch.Tensor     # (n,) long: prompt and answer
     hidden: torch.Tensor     # (n - 1, C) 16-bit: the target's final feature of every token but the last
     prompt_len: int
+    tapped: torch.Tensor | None = None   # (n - 1, k C) 16-bit: the outputs of k tapped layers
+
+    def features(self) -> torch.Tensor:
+        """(n - 1, C) or (n - 1, (k + 1) C): what the head's fuse_features reads."""
+        return self.hidden if self.tapped is None else torch.cat([self.tapped, self.hidden], -1)
 
 
-def load_features(folder: str) -> list:
+def load_features(folder: str, taps=()) -> list:
     from safetensors.torch import load_file
     names = sorted(f for f in os.listdir(folder) if f.startswith("shard_") and f.endswith(".safetensors"))
     if not names:
         raise ValueError(f"{folder}: no feature shards; run with --stage features first")
     seqs = []
-    for name in names:
+    for name in tqdm(names, desc="loading features", unit="shard"):
         t = load_file(os.path.join(folder, name))
+        if taps and taps_key(taps) not in t:
+            raise ValueError(f"{folder}/{name}: no outputs of layers {list(taps)}; run "
+                             f"--stage features with the same --taps first")
+        tapped = t.get(taps_key(taps)) if taps else None
         off, hoff = t["offsets"].tolist(), 0
         for i, p in enumerate(t["prompt_lens"].tolist()):
             n = off[i + 1] - off[i]
-            seqs.append(Seq(t["tokens"][off[i]:off[i + 1]].long(), t["hidden"][hoff:hoff + n - 1], p))
+            rows = slice(hoff, hoff + n - 1)
+            seqs.append(Seq(t["tokens"][off[i]:off[i + 1]].long(), t["hidden"][rows], p,
+                            None if tapped is None else tapped[rows]))
             hoff += n - 1
     return seqs
 
@@ -182,7 +233,7 @@ def draft_vocabulary(seqs: list, size: int, always=()) -> torch.Tensor:
 
 @dataclass
 class Batch:
-    feats: torch.Tensor      # (B, L, C) target feature at entry i
+    feats: torch.Tensor      # (B, L, C) target feature at entry i ((B, L, (k + 1) C) with taps)
     next_tok: torch.Tensor   # (B, L) token i + 1, the token entry i reads
     target: torch.Tensor     # (B, L, C) target feature at i + 1, what entry i predicts
     loss_mask: torch.Tensor  # (B, L) bool: i + 1 has a feature and token i + 2 is an answer token
@@ -190,12 +241,12 @@ class Batch:
 
 def make_batch(seqs: list) -> Batch:
     L = max(len(s.hidden) for s in seqs)
-    C = seqs[0].hidden.shape[1]
-    b = Batch(torch.zeros(len(seqs), L, C), torch.zeros(len(seqs), L, dtype=torch.long),
+    C, W = seqs[0].hidden.shape[1], seqs[0].features().shape[1]
+    b = Batch(torch.zeros(len(seqs), L, W), torch.zeros(len(seqs), L, dtype=torch.long),
               torch.zeros(len(seqs), L, C), torch.zeros(len(seqs), L, dtype=torch.bool))
     for r, s in enumerate(seqs):
         n = len(s.hidden)
-        b.feats[r, :n] = s.hidden.float()
+        b.feats[r, :n] = s.features().float()
         b.next_tok[r, :n] = s.tokens[1:]
         b.target[r, :n - 1] = s.hidden[1:].float()
         b.loss_mask[r, max(s.prompt_len - 2, 0):n - 1] = True
@@ -243,10 +294,10 @@ def ttt_mask(L: int, j: int) -> torch.Tensor:
 
 def eagle_unroll(head, embed, b: Batch, steps: int) -> list:
     """The head's outputs (B, L, C) at each of `steps` unrolled drafting steps."""
-    B, L, C = b.feats.shape
+    B, L = b.feats.shape[:2]
     embeds = embed(b.next_tok)                                         # (B, L, C)
     pos = torch.arange(L)[None].expand(B, L)
-    cache, feats, outs = head.new_cache(0, B), b.feats, []
+    cache, feats, outs = head.new_cache(0, B), head.fuse_features(b.feats), []
     for j in range(steps):
         cache = KVCache(widen(cache.k, L), widen(cache.v, L), j * L)    # fresh tensors: autograd
         outs.append(head(feats, embeds, pos, cache, ttt_mask(L, j)))    # (B, L, C)
@@ -456,6 +507,16 @@ def head_projection(target, head) -> torch.Tensor:
 
 # ---------------------------------------------------------------- command line
 
+def layer_list(text: str) -> tuple:
+    try:
+        taps = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer indices like 1,14, got {text!r}")
+    if any(t < 0 for t in taps) or len(set(taps)) != len(taps):
+        raise argparse.ArgumentTypeError(f"layer indices must be distinct and >= 0, got {text!r}")
+    return tuple(sorted(taps))
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     d = TrainConfig()
@@ -494,6 +555,11 @@ def parse_args(argv=None):
                         "instead of a fresh one, e.g. to train a shipped head on more data; its "
                         "shape and draft vocabulary are kept (--draft-vocab, --heads and "
                         "--own-projection then do not apply)")
+    p.add_argument("--taps", type=layer_list, default=(), metavar="I,J",
+                   help="EAGLE: also feed the head the outputs of these target layers (0-based), "
+                        "fused with the final feature (EAGLE-3); e.g. 1,14. The features stage "
+                        "adds them to existing shards. With --init, a head without taps gains "
+                        "them, started as a pass-through of the final feature")
     p.add_argument("--held-out", type=int, default=128,
                    help="sequences kept out of training to measure accuracy and tau")
     p.add_argument("--tau-prompts", type=int, default=10, help="held-out prompts decoded for tau")
@@ -529,14 +595,21 @@ def main(argv=None):
     args = parse_args(argv)
     if args.init and args.method == "draft":
         raise ValueError("--init continues an EAGLE or Medusa head; it does not apply to --method draft")
+    if args.taps and args.method != "eagle":
+        raise ValueError("--taps feeds an EAGLE head; it does not apply to --method " + args.method)
+    if args.init and not args.taps and args.method == "eagle":           # the head's own taps
+        args.taps = tuple((read_json(os.path.join(args.init, "config.json")) or {}).get("taps", ()))
     model_path = args.model or default_model_path(args.cache_dir)
     features = args.features or default_features_dir(args)
     tokenizer = load_tokenizer(model_path)
     if args.stage in ("features", "all"):
         rows = read_conversations(args.data)
         rows = rows[:args.limit] if args.limit else rows
-        extract_features(load_model(model_path, torch.bfloat16), tokenizer, rows, features,
-                         args.batch, args.max_new_tokens, args.max_prompt_tokens)
+        target = load_model(model_path, torch.bfloat16)
+        extract_features(target, tokenizer, rows, features, args.batch, args.max_new_tokens,
+                         args.max_prompt_tokens)
+        if args.taps:
+            add_taps(target, features, args.taps, args.batch)
     if args.stage in ("train", "all"):
         train_and_save(args, model_path, features, tokenizer)
 
@@ -545,7 +618,7 @@ def train_and_save(args, model_path: str, features: str, tokenizer) -> None:
     from model import load_model
     torch.manual_seed(args.seed)
     target = load_model(model_path, torch.float32).requires_grad_(False)
-    seqs = load_features(features)
+    seqs = load_features(features, args.taps)
     if len(seqs) <= args.held_out:
         raise ValueError(f"{len(seqs)} sequences in {features}: need more than --held-out "
                          f"{args.held_out}")
@@ -607,7 +680,7 @@ def new_head(args, target, train_seqs: list, stop_ids) -> tuple:
     c = target.config
     config = HeadConfig(args.method, c.hidden_size, c.vocab_size, len(vocab), args.heads,
                         eagle_layer_config(c) if args.method == "eagle" else {},
-                        own_projection=args.own_projection)
+                        own_projection=args.own_projection, taps=list(args.taps))
     head = build_head(config, vocab)
     if config.own_projection:
         with torch.no_grad():
@@ -618,9 +691,18 @@ def new_head(args, target, train_seqs: list, stop_ids) -> tuple:
 def init_head(args, target) -> tuple:
     """-> (head, HeadConfig) of the trained head in --init, to train further: its shape and
     draft vocabulary are kept (--draft-vocab, --heads and --own-projection do not apply)."""
-    from heads import load_head
+    from heads import build_head, load_head
     head, config = load_head(args.init, target, args.method)
     config.accuracy = []                                                   # measured again
+    if args.taps and tuple(config.taps) != args.taps:
+        if config.taps:
+            raise ValueError(f"{args.init}: its head reads layers {config.taps}, not --taps "
+                             f"{','.join(map(str, args.taps))}")
+        config.taps = list(args.taps)             # gains a fuse layer that passes the final feature
+        grown = build_head(config, head.vocab_ids)
+        missing = grown.load_state_dict(head.state_dict(), strict=False).missing_keys
+        assert missing == ["fuse.weight"], missing
+        head = grown
     return head.float().train().requires_grad_(True), config
 
 
