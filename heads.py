@@ -54,7 +54,7 @@ class EagleHead(nn.Module):
     def __init__(self, layer: LlamaConfig, vocab_ids: torch.Tensor, taps=()):
         super().__init__()
         C = layer.hidden_size
-        self.layer_config, self.taps = layer, tuple(taps)
+        self.layer_config, self.taps = layer, tuple(sorted(taps))   # Llama.forward's order
         self.fc = Linear(2 * C, C)
         self.layer = Block(layer)
         if self.taps:
