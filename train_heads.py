@@ -157,7 +157,7 @@ def add_taps(target: Llama, folder: str, taps: tuple, batch: int) -> None:
     from safetensors.torch import load_file
     if max(taps) >= target.config.num_layers:
         raise ValueError(f"--taps {list(taps)}: the target has layers 0..{target.config.num_layers - 1}")
-    names = sorted(f for f in os.listdir(folder) if f.startswith("shard_") and f.endswith(".safetensors"))
+    names = shard_names(folder)
     part, key = truncated_draft(target, max(taps) + 1), taps_key(taps)
     todo = [n for n in names if key not in shard_keys(os.path.join(folder, n))]
     for name in tqdm(todo, desc=f"layers {', '.join(map(str, taps))}", unit="shard"):
@@ -172,6 +172,10 @@ def add_taps(target: Llama, folder: str, taps: tuple, batch: int) -> None:
                 tapped[r] = h[:-1, :-target.config.hidden_size]          # (n - 1, k C)
         t[key] = torch.cat(tapped).bfloat16()
         save_tensors(t, os.path.join(folder, name))
+
+
+def shard_names(folder: str) -> list:
+    return sorted(f for f in os.listdir(folder) if f.startswith("shard_") and f.endswith(".safetensors"))
 
 
 def shard_keys(path: str) -> set:
@@ -202,7 +206,7 @@ class Seq:
 
 def load_features(folder: str, taps=()) -> list:
     from safetensors.torch import load_file
-    names = sorted(f for f in os.listdir(folder) if f.startswith("shard_") and f.endswith(".safetensors"))
+    names = shard_names(folder)
     if not names:
         raise ValueError(f"{folder}: no feature shards; run with --stage features first")
     seqs = []
@@ -241,7 +245,8 @@ class Batch:
 
 def make_batch(seqs: list) -> Batch:
     L = max(len(s.hidden) for s in seqs)
-    C, W = seqs[0].hidden.shape[1], seqs[0].features().shape[1]
+    C = seqs[0].hidden.shape[1]
+    W = C if seqs[0].tapped is None else C + seqs[0].tapped.shape[1]   # + the tapped layers
     b = Batch(torch.zeros(len(seqs), L, W), torch.zeros(len(seqs), L, dtype=torch.long),
               torch.zeros(len(seqs), L, C), torch.zeros(len(seqs), L, dtype=torch.bool))
     for r, s in enumerate(seqs):
