@@ -156,9 +156,9 @@ def save_head(head: nn.Module, config: HeadConfig, folder: str, info: dict | Non
         write_json(f"{folder}/training.json", info)
 
 
-def write_json(path: str, obj) -> None:
+def write_json(path: str, obj, indent: int | None = 1) -> None:
     with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=1)
+        json.dump(obj, f, indent=indent)
     os.replace(path + ".tmp", path)
 
 
@@ -277,11 +277,16 @@ def init_draft(target, layers: int):
     return draft
 
 
+DRAFT_VOCAB = "draft_vocab.json"
+
+
 def save_draft(draft, target_folder: str, out: str, info: dict | None = None,
-               embeddings: bool = True) -> None:
+               embeddings: bool = True, vocab_ids=None) -> None:
     """A standard HF Llama folder: config.json (the target's, fewer layers), model.safetensors
     (16-bit), the target's tokenizer files; written atomically. embeddings=False leaves the
-    embedding matrix out (the shipped copy: draft_folder rebuilds it from the target)."""
+    embedding matrix out (the shipped copy: draft_folder rebuilds it from the target).
+    vocab_ids (R,): the reduced vocabulary greedy drafts choose from, in draft_vocab.json (other
+    tools ignore it)."""
     import shutil
     from safetensors.torch import save_file
     from model import to_hf_names
@@ -301,8 +306,26 @@ def save_draft(draft, target_folder: str, out: str, info: dict | None = None,
     for name in TOKENIZER_FILES:
         if os.path.isfile(f"{target_folder}/{name}"):
             shutil.copyfile(f"{target_folder}/{name}", f"{out}/{name}")
+    if vocab_ids is not None:
+        write_json(f"{out}/{DRAFT_VOCAB}", sorted(vocab_ids.tolist()), indent=None)
     if info is not None:
         write_json(f"{out}/training.json", info)
+
+
+def load_draft_vocab(folder: str, vocab_size: int):
+    """-> (R,) target ids from the draft folder's draft_vocab.json, or None where it has none."""
+    path = os.path.join(folder, DRAFT_VOCAB)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        try:
+            ids = json.load(f)
+        except json.JSONDecodeError as e:
+            raise LoadError(f"{path}: not JSON ({e})") from None
+    if not (isinstance(ids, list) and ids and all(isinstance(i, int) and 0 <= i < vocab_size
+                                                  for i in ids)):
+        raise LoadError(f"{path}: expected a list of token ids below the vocabulary size {vocab_size}")
+    return torch.tensor(sorted(set(ids)))
 
 
 def draft_folder(folder: str, target_folder: str, cache: str) -> str:

@@ -329,7 +329,8 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
-    def forward(self, tokens, positions, cache: KVCache, mask=None, last_only=False, taps=()):
+    def forward(self, tokens, positions, cache: KVCache, mask=None, last_only=False, taps=(),
+                project=True):
         """tokens, positions (B, T) long -> logits (B, T or 1, V), final hidden (B, T, C).
 
         The T tokens are written to cache slots [cache.length, cache.length + T) and the length
@@ -338,7 +339,8 @@ class Llama(nn.Module):
         Positions are absolute, so a tree node's position is prefix length + depth, not its slot.
         taps: indices of layers whose outputs (the residual stream after them) come back too,
         before the final feature: hidden is then (B, T, (len(taps) + 1) C), the low and middle
-        features EAGLE-3 fuses with the final one."""
+        features EAGLE-3 fuses with the final one. project=False skips the vocabulary projection
+        (logits None), for a caller that projects onto a reduced vocabulary itself."""
         B, T = tokens.shape
         start = cache.length
         if start + T > cache.slots:
@@ -354,7 +356,8 @@ class Llama(nn.Module):
                 if i in taps:
                     tapped.append(x)
             hidden = self.norm(x)
-            logits = self.lm_head(hidden[:, -1:] if last_only else hidden)  # (B, T or 1, V)
+            logits = (self.lm_head(hidden[:, -1:] if last_only else hidden)  # (B, T or 1, V)
+                      if project else None)
         cache.length = start + T
         return logits, torch.cat(tapped + [hidden], dim=-1) if taps else hidden
 

@@ -104,26 +104,45 @@ class DraftModelProposer:
     Its KV cache holds the committed tokens; tokens the target accepted that the draft never fed
     itself wait in `pending` and go in with the next proposal."""
 
-    def __init__(self, model: Llama, config: DraftConfig, slots: int):
+    def __init__(self, model: Llama, config: DraftConfig, slots: int, vocab_ids=None):
         """slots: the draft cache's size; it holds the committed tokens plus at most
-        1 + (depth - 1) * top_k tree nodes fed during one proposal."""
+        1 + (depth - 1) * top_k tree nodes fed during one proposal. vocab_ids (R,): greedy
+        drafts choose among these target ids only, projecting onto R of the lm_head's V rows
+        (on a small draft the projection is most of a forward's cost); None: all V. A sampled
+        chain always draws from the whole distribution."""
+        from heads import projection
         self.model, self.config, self.slots = model, config, slots
         self.device = model.embed.weight.device
         self.max_nodes = config.total + 1            # verified nodes per step, root included
         self.taps = ()                               # reads no target features
+        self.vocab_ids = None if vocab_ids is None else vocab_ids.cpu()
+        if vocab_ids is not None:
+            self.proj = projection(model, vocab_ids)                        # (R, C)
+            self.packed = pack(self.proj)
+
+    def forward(self, ids, pos, mask=None, full=False) -> torch.Tensor:
+        """Feed (1, T) tokens -> (T, V) logits, or (T, R) over the reduced vocabulary unless full."""
+        if self.vocab_ids is None or full:
+            return self.model(ids, pos, self.cache, mask=mask)[0][0]
+        _, hidden = self.model(ids, pos, self.cache, mask=mask, project=False)
+        return linear(hidden[0], self.proj, packed=self.packed)
 
     def start(self, prompt_ids: list, hidden=None) -> None:
         self.cache = self.model.new_cache(1, self.slots)
         self.pending = list(prompt_ids)
 
-    def feed_pending(self, root: int) -> torch.Tensor:
-        """Feed pending tokens and the root causally; (V,) logits after the root."""
+    def feed_pending(self, root: int, full=False) -> torch.Tensor:
+        """Feed pending tokens and the root causally; (V,) or (R,) logits after the root."""
         start = self.cache.length
         ids = torch.tensor([self.pending + [root]], device=self.device)      # (1, P + 1)
         pos = torch.arange(start, start + ids.shape[1], device=self.device)[None]
-        logits, _ = self.model(ids, pos, self.cache, last_only=True)
+        if self.vocab_ids is None or full:
+            logits = self.model(ids, pos, self.cache, last_only=True)[0][0, -1]
+        else:
+            _, hidden = self.model(ids, pos, self.cache, project=False)
+            logits = linear(hidden[0, -1], self.proj)
         self.base, self.root_slot = start, self.cache.length - 1
-        return logits[0, -1]
+        return logits
 
     def propose(self, root: int, gen, generator) -> tuple:
         c = self.config
@@ -139,23 +158,24 @@ class DraftModelProposer:
                 return first[None]
             return self.feed_nodes(frontier, tree)
 
-        tree, kept = grow_tree(expand, root, c.depth, c.top_k, c.total)
+        tree, kept = grow_tree(expand, root, c.depth, c.top_k, c.total, self.vocab_ids)
         self.node_slot = self.node_slot[kept]
         return tree, None
 
     def feed_nodes(self, frontier: torch.Tensor, tree: Tree) -> torch.Tensor:
-        """Feed tree nodes into the draft cache, each seeing its own ancestors; (F, V) log-probs."""
+        """Feed tree nodes into the draft cache, each seeing its own ancestors; (F, V) or (F, R)
+        log-probs."""
         F, length = frontier.shape[0], self.cache.length
         mask = node_mask(tree, frontier, self.node_slot, self.root_slot, length)
         ids = tree.tokens[frontier][None].to(self.device)                   # (1, F)
         pos = (self.root_slot + tree.depths[frontier])[None].to(self.device)
-        logits, _ = self.model(ids, pos, self.cache, mask=mask.to(self.device))
+        logits = self.forward(ids, pos, mask.to(self.device))
         self.node_slot[frontier] = torch.arange(length, length + F)
-        return torch.log_softmax(logits[0].float(), -1)
+        return torch.log_softmax(logits.float(), -1)
 
     def sampled_chain(self, root: int, gen, generator) -> tuple:
         """Draw K tokens from the draft's own q (same temperature and top-p as the target)."""
-        logits = self.feed_pending(root)
+        logits = self.feed_pending(root, full=True)
         tokens, qs = [], []
         for i in range(self.config.depth):
             q = target_probs(logits, gen.temperature, gen.top_p)             # (V,)
@@ -164,7 +184,7 @@ class DraftModelProposer:
             if i + 1 < self.config.depth:
                 pos = torch.tensor([[self.cache.length]], device=self.device)
                 ids = torch.tensor([[tokens[-1]]], device=self.device)
-                logits = self.model(ids, pos, self.cache, last_only=True)[0][0, -1]
+                logits = self.forward(ids, pos, full=True)[-1]
         K = self.config.depth
         self.node_slot = torch.cat([torch.arange(self.root_slot, self.root_slot + K),
                                     torch.tensor([-1])])

@@ -192,7 +192,7 @@ def load_target(args):
 
 def build_proposer(args, target, tokenizer, slots):
     from default_model import cache_dir, default_model_path
-    from heads import draft_folder
+    from heads import draft_folder, load_draft_vocab
     from model import compiled, load_model
     from proposers import DraftConfig, DraftModelProposer, PromptLookupProposer, truncated_draft
     from tokenizer import load_tokenizer
@@ -212,6 +212,7 @@ def build_proposer(args, target, tokenizer, slots):
                           "draft_memory_mb": 0.0}
     config = DraftConfig(depth=args.num_speculative_tokens, top_k=args.draft_top_k,
                          total=0 if args.tree_size == "auto" else args.tree_size)  # auto: heads
+    vocab = None
     if args.draft_layers:
         draft = truncated_draft(target, args.draft_layers)
         name = f"target's first {args.draft_layers} layers"
@@ -224,13 +225,19 @@ def build_proposer(args, target, tokenizer, slots):
             raise ValueError(f"draft and target tokenizers differ: {why}. A draft must share the "
                              "target's exact tokenizer, or its tokens mean other words")
         draft = share_embeddings(load_model(folder, target.embed.weight.dtype, args.device), target)
+        vocab = None if args.full_draft_vocab else load_draft_vocab(name, target.config.vocab_size)
     if args.compile:
         draft = compiled(draft)
     own = {id(p) for p in target.parameters()}
     extra = sum(p.numel() * p.element_size() for p in draft.parameters() if id(p) not in own)
+    proposer = DraftModelProposer(draft, config, slots, vocab)
+    if vocab is not None:       # its copy of the lm_head's rows (and their prepacked copy)
+        extra += proposer.proj.numel() * proposer.proj.element_size() * (
+            1 if proposer.packed is None else 2)
+        name += f" (greedy drafts over {len(vocab):,} tokens)"
     info = {"draft": name, "draft_params": sum(p.numel() for p in draft.parameters()),
             "draft_memory_mb": round(extra / 2**20, 1)}
-    return DraftModelProposer(draft, config, slots), info
+    return proposer, info
 
 
 def share_embeddings(draft, target):
@@ -484,6 +491,9 @@ def parse_args(argv=None):
     p.add_argument("--draft", help="draft model: a HF Llama folder with the target's tokenizer "
                                    "(default: the distilled draft shipped in weights/ for the "
                                    "default model)")
+    p.add_argument("--full-draft-vocab", action="store_true",
+                   help="the draft model drafts over the whole vocabulary even where its folder "
+                        "lists a reduced one (draft_vocab.json, written by train_heads.py)")
     p.add_argument("--draft-layers", type=int, default=0,
                    help="draft with the target's own first N layers instead (no training, "
                         "no extra weights; 0: off)")

@@ -11,7 +11,7 @@ import torch
 from heads import (EagleHead, HeadConfig, MedusaHeads, best_paths, eagle_layer_config,
                    load_head, save_head)
 from model import LoadError
-from proposers import DraftConfig, EagleProposer, MedusaProposer
+from proposers import DraftConfig, DraftModelProposer, EagleProposer, MedusaProposer
 from spec import GenConfig, generate_ar, generate_spec
 from test_spec import default_path, tiny_model  # noqa: F401 (default_path is a fixture)
 from tree import static_tree
@@ -432,6 +432,58 @@ def test_training_data_reads_both_formats_and_names_bad_lines(tmp_path):
     f.write_text('{"prompt": "hi"}\n\n{broken\n')
     with pytest.raises(ValueError, match=r"d.jsonl:3: not JSON"):
         th.read_conversations(str(f))
+
+
+def test_draft_over_a_reduced_vocabulary_drafts_its_best_token_and_stays_lossless(tmp_path):
+    from heads import load_draft_vocab, save_draft
+    from test_spec import hf_checkpoint
+    target, draft = tiny_model(3), tiny_model(4, num_layers=1)
+    V = target.config.vocab_size
+    vocab = torch.randperm(V, generator=torch.Generator().manual_seed(1))[:V // 3].sort().values
+    prompt, root = [5, 9, 3], 11
+    chain_of = DraftModelProposer(draft, DraftConfig(4), 256, vocab)
+    chain_of.start(prompt)
+    tree, q = chain_of.propose(root, GenConfig(8), None)
+    ids = prompt + [root]                    # oracle: full forwards, argmax over the kept rows
+    for _ in range(4):
+        logits = draft(torch.tensor([ids]), torch.arange(len(ids))[None], draft.new_cache(1, 32))[0]
+        ids.append(int(vocab[logits[0, -1, vocab].argmax()]))
+    assert q is None and tree.tokens.tolist() == ids[len(prompt):]
+    for config in (DraftConfig(4), DraftConfig(3, top_k=2, total=6)):
+        proposer = DraftModelProposer(draft, config, 256, vocab)
+        out = generate_spec(target, proposer, prompt, GenConfig(24))
+        assert out.token_ids == generate_ar(target, prompt, GenConfig(24)).token_ids
+    sampled = DraftModelProposer(draft, DraftConfig(3), 256, vocab)    # draws from all V
+    sampled.start(prompt)
+    _, q = sampled.propose(root, GenConfig(8, temperature=1.0), torch.Generator().manual_seed(0))
+    assert q.shape == (3, V)
+
+    hf_checkpoint(tmp_path / "target", tie_word_embeddings=True)
+    save_draft(draft.float(), str(tmp_path / "target"), str(tmp_path / "d"), vocab_ids=vocab)
+    assert torch.equal(load_draft_vocab(str(tmp_path / "d"), V), vocab)
+    assert load_draft_vocab(str(tmp_path / "target"), V) is None
+    (tmp_path / "d" / "draft_vocab.json").write_text(f"[1, 2, {V}]")
+    with pytest.raises(LoadError, match="below the vocabulary size"):
+        load_draft_vocab(str(tmp_path / "d"), V)
+
+
+def test_derived_prompts_quote_one_wordy_answer_each_and_follow_the_seed():
+    import train_heads as th
+    prose = [(f"question {i}?", f"Answer {i} in words. " + "Some text here. " * 20) for i in range(30)]
+    code = [("write it", "def f(x):\n    return x * 2\n" + "# a comment line\n" * 15)]
+    others = [("short", "too short"), ("sums", "1 + 2 = 3. " * 40), ("prompt only", None)]
+    rows = prose + code + others
+    derived = th.derive_prompts(rows, 100, seed=3)
+    assert len(derived) == 31 and all(a is None for _, a in derived)
+    used = [next(i for i, (_, a) in enumerate(rows) if a and a in p) for p, _ in derived]
+    assert sorted(used) == list(range(31)), "each wordy answer quoted exactly once, no others"
+    code_prompt = next(p for p, _ in derived if code[0][1] in p)
+    assert any(code_prompt == t.format(doc=code[0][1], question="write it") for t in th.CODE_TASKS)
+    assert th.derive_prompts(rows, 100, seed=3) == derived
+    assert th.derive_prompts(rows, 100, seed=4) != derived
+    assert len(th.derive_prompts(rows, 5, seed=3)) == 5
+    with pytest.raises(ValueError, match="--derive needs"):
+        th.derive_prompts(others, 10, seed=0)
 
 
 @pytest.mark.parametrize("kind", ["eagle2", "medusa"])

@@ -51,6 +51,55 @@ def read_conversations(path: str) -> list:
     return rows
 
 
+# Copy-and-transform tasks over an answer text: what summarization, extraction and retrieval
+# prompts ask. A head trained only on answers to short questions never learns to draw on the
+# prompt's own text, which such answers copy from (measured: lowest tau on exactly those).
+TEXT_TASKS = [
+    "Summarize the following text in a few sentences.\n\n{doc}",
+    "Summarize:\n{doc}",
+    "Extract the key points from the text below as a bulleted list.\n\n{doc}",
+    "Rewrite the following passage in simpler language.\n\n{doc}",
+    "What is the main idea of this text? Explain briefly.\n\n{doc}",
+    "{doc}\n\nGive the text above a short title and explain your choice.",
+    "Proofread the text below and return an improved version.\n\n{doc}",
+    "Write three questions that the following text answers, each with its answer.\n\n{doc}",
+    "Turn the following into a formal email.\n\n{doc}",
+    "Read the passage and answer the question.\n\nPassage: {doc}\n\nQuestion: {question}",
+    "{doc}\n\nUsing only the information above, answer: {question}",
+    "List every name, number and date mentioned in the text below.\n\n{doc}",
+    "Rewrite the text below from the point of view of a critic.\n\n{doc}",
+    "Continue the following text.\n\n{doc}",
+    "Identify the tone of the following text and quote the phrases that show it.\n\n{doc}",
+]
+CODE_TASKS = [
+    "Explain the following code step by step.\n\n{doc}",
+    "Find possible bugs in this code and suggest fixes.\n\n{doc}",
+    "Add comments to the following code.\n\n{doc}",
+    "Rewrite this code to be more readable.\n\n{doc}",
+    "{question}\n\nHere is a first attempt; review it and improve it:\n{doc}",
+]
+CODE_MARKS = ("def ", "{\n", "};", "#include", "function ", "import ", "SELECT ", "#!/")
+
+
+def derive_prompts(rows: list, n: int, seed: int) -> list:
+    """[(question, answer)] -> n prompt-only rows [(task over one answer, None)], over answers
+    of 250 to 1,300 characters that are mostly words (under 5% digits: worked arithmetic makes a
+    poor text to summarize), each used at most once, the task drawn at random."""
+    import random
+    rnd = random.Random(seed)
+    docs = [(q, a) for q, a in rows if a is not None and 250 <= len(a) <= 1300
+            and sum(c.isdigit() for c in a) < 0.05 * len(a)]
+    if not docs:
+        raise ValueError("--derive needs --data lines with answers of 250 to 1,300 characters, "
+                         "mostly words")
+    rnd.shuffle(docs)
+    out = []
+    for q, a in docs[:n]:
+        tasks = CODE_TASKS if any(m in a for m in CODE_MARKS) else TEXT_TASKS
+        out.append((rnd.choice(tasks).format(doc=a, question=q), None))
+    return out
+
+
 # ---------------------------------------------------------------- the target writes and reads
 
 @torch.inference_mode()
@@ -534,16 +583,24 @@ def parse_args(argv=None):
     p.add_argument("--model", help="target HF folder (default: the embedded default model)")
     p.add_argument("--cache-dir", help="where the default model lives (default ~/.cache/spec-decode)")
     p.add_argument("--features", help="feature cache folder (default: beside the target model, "
-                                      "named after the data file)")
+                                      "named after the data file); training reads a comma-"
+                                      "separated list of them, holding out the last folder's last "
+                                      "sequences")
     p.add_argument("--stage", choices=["features", "train", "all"], default="all",
                    help="stop after feature extraction, or only train from existing features")
     p.add_argument("--limit", type=int, default=0, help="use the first N data lines (0: all)")
+    p.add_argument("--derive", type=int, default=0, metavar="N",
+                   help="instead of --data's lines, up to N prompts that ask to summarize, extract "
+                        "from, answer from, rewrite or explain one of its answers (copy-and-"
+                        "transform tasks, answered by the target itself); features go to a folder "
+                        "of their own (0: off)")
     p.add_argument("--batch", type=int, default=64, help="sequences per target forward")
     p.add_argument("--max-new-tokens", type=int, default=192,
                    help="longest answer the target writes (or that is kept of a dataset answer)")
     p.add_argument("--max-prompt-tokens", type=int, default=384, help="skip longer prompts")
     p.add_argument("--draft-vocab", type=int, default=8192,
-                   help="R: the heads predict over the R most frequent answer tokens")
+                   help="R: the heads (and the draft model's greedy drafts) predict over the R most "
+                        "frequent answer tokens")
     p.add_argument("--heads", type=int, default=4, help="Medusa: number of heads")
     p.add_argument("--own-projection", action="store_true",
                    help="Medusa: every head trains its own projection (Medusa-1) instead of "
@@ -589,7 +646,7 @@ def default_features_dir(args) -> str:
     from default_model import default_model_path
     root = os.path.dirname(args.model.rstrip("/")) if args.model else \
         os.path.dirname(default_model_path(args.cache_dir))
-    name = os.path.splitext(os.path.basename(args.data))[0]
+    name = os.path.splitext(os.path.basename(args.data))[0] + ("-derived" if args.derive else "")
     return os.path.join(root, f"features-{name}")
 
 
@@ -608,7 +665,10 @@ def main(argv=None):
     features = args.features or default_features_dir(args)
     tokenizer = load_tokenizer(model_path)
     if args.stage in ("features", "all"):
+        if "," in features:
+            raise ValueError(f"--features {features}: the features stage writes one folder")
         rows = read_conversations(args.data)
+        rows = derive_prompts(rows, args.derive, args.seed) if args.derive else rows
         rows = rows[:args.limit] if args.limit else rows
         target = load_model(model_path, torch.bfloat16)
         extract_features(target, tokenizer, rows, features, args.batch, args.max_new_tokens,
@@ -623,7 +683,7 @@ def train_and_save(args, model_path: str, features: str, tokenizer) -> None:
     from model import load_model
     torch.manual_seed(args.seed)
     target = load_model(model_path, torch.float32).requires_grad_(False)
-    seqs = load_features(features, args.taps)
+    seqs = [s for folder in features.split(",") for s in load_features(folder, args.taps)]
     if len(seqs) <= args.held_out:
         raise ValueError(f"{len(seqs)} sequences in {features}: need more than --held-out "
                          f"{args.held_out}")
@@ -716,16 +776,18 @@ def train_draft(args, tc, target, model_path, train_seqs, held, tokenizer, info)
     from heads import init_draft, save_draft
     from proposers import DraftConfig, DraftModelProposer
     draft = init_draft(target, args.layers)
+    vocab = draft_vocabulary(train_seqs, args.draft_vocab, tokenizer.stop_ids)
     record = train(draft, lambda seqs: draft_loss(draft, seqs), train_seqs, tc, args.out)
     draft.eval()
     with torch.no_grad():
         agree = [draft_loss(draft, held[i:i + 16])[1][1] for i in range(0, len(held), 16)]
     seqs = held[:args.tau_prompts]
-    tau = {f"chain_{d}": round(measure_tau(target, DraftModelProposer(draft, DraftConfig(d), 512),
+    tau = {f"chain_{d}": round(measure_tau(target, DraftModelProposer(draft, DraftConfig(d), 512, vocab),
                                            seqs, 64, tokenizer.stop_ids), 3) for d in (3, 5)}
     info = info | record_fields(record) | {"held_out_top1_agreement": round(sum(agree) / len(agree), 4),
                                            "held_out_tau": tau}
-    save_draft(draft, model_path, args.out, info, embeddings=not args.without_embeddings)
+    save_draft(draft, model_path, args.out, info, embeddings=not args.without_embeddings,
+               vocab_ids=vocab)
     return info
 
 
