@@ -120,12 +120,13 @@ class DraftModelProposer:
             self.proj = projection(model, vocab_ids)                        # (R, C)
             self.packed = pack(self.proj)
 
-    def forward(self, ids, pos, mask=None, full=False) -> torch.Tensor:
-        """Feed (1, T) tokens -> (T, V) logits, or (T, R) over the reduced vocabulary unless full."""
+    def logits(self, ids, pos, mask=None, full=False, last_only=False) -> torch.Tensor:
+        """Feed (1, T) tokens into the draft's cache -> (T, V) logits (last_only: (1, V)), or
+        over the reduced vocabulary (T or 1, R) where there is one, unless full."""
         if self.vocab_ids is None or full:
-            return self.model(ids, pos, self.cache, mask=mask)[0][0]
-        _, hidden = self.model(ids, pos, self.cache, mask=mask, project=False)
-        return linear(hidden[0], self.proj, packed=self.packed)
+            return self.model(ids, pos, self.cache, mask, last_only)[0][0]
+        _, hidden = self.model(ids, pos, self.cache, mask, project=False)    # (1, T, C)
+        return linear(hidden[0, -1:] if last_only else hidden[0], self.proj, packed=self.packed)
 
     def start(self, prompt_ids: list, hidden=None) -> None:
         self.cache = self.model.new_cache(1, self.slots)
@@ -136,11 +137,7 @@ class DraftModelProposer:
         start = self.cache.length
         ids = torch.tensor([self.pending + [root]], device=self.device)      # (1, P + 1)
         pos = torch.arange(start, start + ids.shape[1], device=self.device)[None]
-        if self.vocab_ids is None or full:
-            logits = self.model(ids, pos, self.cache, last_only=True)[0][0, -1]
-        else:
-            _, hidden = self.model(ids, pos, self.cache, project=False)
-            logits = linear(hidden[0, -1], self.proj)
+        logits = self.logits(ids, pos, full=full, last_only=True)[0]
         self.base, self.root_slot = start, self.cache.length - 1
         return logits
 
@@ -169,7 +166,7 @@ class DraftModelProposer:
         mask = node_mask(tree, frontier, self.node_slot, self.root_slot, length)
         ids = tree.tokens[frontier][None].to(self.device)                   # (1, F)
         pos = (self.root_slot + tree.depths[frontier])[None].to(self.device)
-        logits = self.forward(ids, pos, mask.to(self.device))
+        logits = self.logits(ids, pos, mask.to(self.device))
         self.node_slot[frontier] = torch.arange(length, length + F)
         return torch.log_softmax(logits.float(), -1)
 
@@ -184,7 +181,7 @@ class DraftModelProposer:
             if i + 1 < self.config.depth:
                 pos = torch.tensor([[self.cache.length]], device=self.device)
                 ids = torch.tensor([[tokens[-1]]], device=self.device)
-                logits = self.forward(ids, pos, full=True)[-1]
+                logits = self.logits(ids, pos, full=True)[-1]
         K = self.config.depth
         self.node_slot = torch.cat([torch.arange(self.root_slot, self.root_slot + K),
                                     torch.tensor([-1])])

@@ -2,6 +2,8 @@
 
     python train_heads.py --method eagle --data prompts.jsonl --out weights/smollm2-135m-eagle
     python train_heads.py --method draft --data prompts.jsonl --out my-draft   # a HF Llama folder
+    python train_heads.py --method eagle --data chat_pairs.jsonl --derive 5000 --out more \
+        --stage features          # copy-and-transform prompts, answered by the target
 
 Two stages, both resumable:
   1. features: the target reads (or, for prompt-only lines, first writes) each conversation; its
