@@ -118,7 +118,8 @@ class DraftModelProposer:
         self.vocab_ids = None if vocab_ids is None else vocab_ids.cpu()
         if vocab_ids is not None:
             self.proj = projection(model, vocab_ids)                        # (R, C)
-            self.packed = pack(self.proj)
+            # prepacked for rounds of 3+ tree nodes (model.py); a chain projects one row a time
+            self.packed = pack(self.proj) if config.top_k > 1 else None
 
     def logits(self, ids, pos, mask=None, full=False, last_only=False) -> torch.Tensor:
         """Feed (1, T) tokens into the draft's cache -> (T, V) logits (last_only: (1, V)), or
