@@ -685,7 +685,8 @@ def train_and_save(args, model_path: str, features: str, tokenizer) -> None:
     from model import load_model
     torch.manual_seed(args.seed)
     target = load_model(model_path, torch.float32).requires_grad_(False)
-    seqs = [s for folder in features.split(",") for s in load_features(folder, args.taps)]
+    seqs = [s for folder in features.split(",")            # "~" after a comma: the shell keeps it
+            for s in load_features(os.path.expanduser(folder), args.taps)]
     if len(seqs) <= args.held_out:
         raise ValueError(f"{len(seqs)} sequences in {features}: need more than --held-out "
                          f"{args.held_out}")
