@@ -484,6 +484,8 @@ def test_derived_prompts_quote_one_wordy_answer_each_and_follow_the_seed():
     assert len(th.derive_prompts(rows, 5, seed=3)) == 5
     with pytest.raises(ValueError, match="--derive needs"):
         th.derive_prompts(others, 10, seed=0)
+    with pytest.raises(ValueError, match="--derive -5: give the number"):
+        th.derive_prompts(rows, -5, seed=0)
 
 
 @pytest.mark.parametrize("kind", ["eagle2", "medusa"])

@@ -88,6 +88,8 @@ def derive_prompts(rows: list, n: int, seed: int) -> list:
     of 250 to 1,300 characters that are mostly words (under 5% digits: worked arithmetic makes a
     poor text to summarize), each used at most once, the task drawn at random."""
     import random
+    if n < 1:
+        raise ValueError(f"--derive {n}: give the number of prompts to make, 1 or more")
     rnd = random.Random(seed)
     docs = [(q, a) for q, a in rows if a is not None and 250 <= len(a) <= 1300
             and sum(c.isdigit() for c in a) < 0.05 * len(a)]
