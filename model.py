@@ -196,11 +196,12 @@ class Linear(nn.Linear):
 
 
 def linear(x, weight, bias=None, packed=None):
-    """F.linear, through the prepacked weight for 3+ rows when there is one (see `prepack`)."""
-    rows = x.numel() // x.shape[-1]
-    if packed is None or rows <= 2 or torch.compiler.is_compiling():
+    """F.linear, through the prepacked weight when there is one and oneDNN is on (see `prepack`;
+    `Llama.forward` switches oneDNN off for the few-row forwards that ATen's kernel runs faster)."""
+    if packed is None or not torch.backends.mkldnn.enabled or torch.compiler.is_compiling():
         # (torch.compile cannot trace oneDNN's opaque packed tensors; it picks its own kernels)
         return F.linear(x, weight, bias)
+    rows = x.numel() // x.shape[-1]
     y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), packed, bias, "none", [], "")
     return y.view(*x.shape[:-1], -1)
 
@@ -306,9 +307,12 @@ class Block(nn.Module):
 def onednn(enabled: bool):
     """Switch torch's oneDNN (mkldnn) CPU kernels on or off for the duration of a block.
 
-    Measured on this project's 2-core CPUs (AVX512-BF16, no AMX), all of the default model's
-    matrices in bf16: for 1 token ATen's own kernel takes 9.9 ms and oneDNN 22.4; for 2 tokens
-    15.5 vs 22.3; for 4 tokens 29.9 vs 22.7, and oneDNN wins by more from there on."""
+    Which is faster for few rows depends on the CPU (see `Llama.aten_rows`). Measured, all of
+    the default model's matrices in bf16, on 2 cores of an AMD EPYC (AVX512-BF16, no AMX): for
+    1 token ATen's own kernel takes 9.9 ms and oneDNN 22.4; for 2 tokens 15.5 vs 22.3; for 4
+    tokens 29.9 vs 22.7, and oneDNN wins by more from there on. On 2 cores of an Intel Xeon
+    with AMX, whole forwards: 1 token 26.3 ms (ATen) vs 23.7 (oneDNN, prepacked), 2 tokens 34.7
+    vs 24.7."""
     old = torch.backends.mkldnn.enabled
     torch.backends.mkldnn.enabled = enabled
     try:
@@ -328,6 +332,10 @@ class Llama(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        # Forwards of up to this many rows (batch x tokens) run ATen's own matrix kernels with
+        # oneDNN off, in 16 bits on CPU, where that is faster than oneDNN's (prepacked) ones: 2 on
+        # an AMD EPYC, 0 on an Intel Xeon with AMX. spec.py measures it once per machine.
+        self.aten_rows = 2
 
     def forward(self, tokens, positions, cache: KVCache, mask=None, last_only=False, taps=(),
                 project=True):
@@ -348,7 +356,8 @@ class Llama(nn.Module):
         full_mask = attention_mask(start, T, mask, tokens.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions.expand(B, T), self.embed.weight.dtype)
         x = self.embed(tokens)                                          # (B, T, C)
-        few = B * T <= 2 and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+        few = (B * T <= self.aten_rows and x.device.type == "cpu"
+               and x.dtype in (torch.bfloat16, torch.float16))
         tapped = []
         with onednn(enabled=not few):
             for i, layer in enumerate(self.layers):

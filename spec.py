@@ -183,10 +183,12 @@ def load_target(args):
     if args.model and args.model.startswith(RANDOM):     # timing only: no files, no tokenizer
         target = random_model(args.model.removeprefix(RANDOM), dtype, args.device)
         prepack(target)
+        target.aten_rows = choose_aten_rows(args, target)
         return args.model, target, None
     path = args.model or default_model_path(args.cache_dir)
     target = load_model(path, dtype, args.device)
     prepack(target)         # CPU bf16 only: tree verification ~1.3x faster for a 2nd weight copy
+    target.aten_rows = choose_aten_rows(args, target)      # which kernel for 1-2 tokens, measured
     return path, target, load_tokenizer(path)
 
 
@@ -226,6 +228,7 @@ def build_proposer(args, target, tokenizer, slots):
                              "target's exact tokenizer, or its tokens mean other words")
         draft = share_embeddings(load_model(folder, target.embed.weight.dtype, args.device), target)
         vocab = None if args.full_draft_vocab else load_draft_vocab(name, target.config.vocab_size)
+    draft.aten_rows = target.aten_rows              # the same machine's few-row kernel choice
     if args.compile:
         draft = compiled(draft)
     own = {id(p) for p in target.parameters()}
@@ -370,14 +373,21 @@ def draft_time(proposer, target, tokenizer) -> float:
 
 
 def machine_name(device: str) -> str:
+    """The CPU's (or GPU's) name and the thread count; for a CPU also its family and model
+    numbers, since a virtual machine may name very different Xeons alike."""
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(device)
     try:
         with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+            fields = dict(ln.split(":", 1) for ln in f.read().split("\n\n")[0].splitlines()
+                          if ":" in ln)
     except OSError:
-        model = ""
-    return f"{model or platform.processor() or platform.machine()} x{torch.get_num_threads()}"
+        fields = {}
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields:
+        name += f" ({fields['cpu family']}/{fields.get('model', '?')})"
+    return f"{name} x{torch.get_num_threads()}"
 
 
 COSTS_VERSION = "v3"      # bumped when the model's kernels change (v2: 1-query float32 attention;
@@ -385,12 +395,21 @@ COSTS_VERSION = "v3"      # bumped when the model's kernels change (v2: 1-query 
 
 
 def verify_costs(args, model) -> dict:
-    """{k: ms} of a target forward over k tokens, measured once per machine, model, dtype and
-    torch version and cached in the cache folder (verify-costs.json)."""
+    """{k: ms} of a target forward over k tokens, measured once per machine, model, dtype,
+    torch version and few-row kernel, and cached (see `measured_once`)."""
+    what = "verify ms" + (" compiled" if args.compile else "") + f" aten_rows={model.aten_rows}"
+    costs = measured_once(args, what, lambda: forward_costs(model, COST_SIZES))
+    return {int(k): v for k, v in costs.items()}
+
+
+def measured_once(args, what: str, measure):
+    """measure() -> a JSON value, run once per machine, torch version, dtype and model and
+    cached by `what` in the cache folder (verify-costs.json): timings decide kernels and tree
+    sizes, and a decision that flipped with the noise between runs would change bf16 outputs."""
     from default_model import cache_dir, default_model_path
     key = " | ".join([machine_name(args.device), torch.__version__, args.dtype,
                       os.path.abspath(args.model or default_model_path(args.cache_dir)),
-                      COSTS_VERSION] + (["compiled"] if args.compile else []))
+                      COSTS_VERSION, what])
     path = os.path.join(cache_dir(args.cache_dir), "verify-costs.json")
     table = {}
     if os.path.isfile(path):
@@ -400,13 +419,42 @@ def verify_costs(args, model) -> dict:
             except json.JSONDecodeError:     # a damaged cache is measured again, not fatal
                 table = {}
     if key not in table:
-        print("measuring the verify cost on this machine (once; cached)", file=sys.stderr)
-        table[key] = forward_costs(model, COST_SIZES)
+        print(f"measuring {what} on this machine (once; cached)", file=sys.stderr)
+        table[key] = json.loads(json.dumps(measure()))     # as read back later: string keys
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path + ".tmp", "w") as f:
             json.dump(table, f, indent=1)
         os.replace(path + ".tmp", path)
-    return {int(k): v for k, v in table[key].items()}
+    return table[key]
+
+
+def choose_aten_rows(args, model) -> int:
+    """Up to how many rows a forward runs faster on ATen's own matrix kernels than on oneDNN's
+    prepacked ones here (`Llama.aten_rows`): 0, 1 or 2. Only 16-bit CPU models have the choice."""
+    w = model.embed.weight
+    if w.device.type != "cpu" or w.dtype not in (torch.bfloat16, torch.float16):
+        return model.aten_rows
+
+    def measure():
+        old, ms = model.aten_rows, {}
+        try:
+            for rows in (0, 2):
+                model.aten_rows = rows
+                ms[rows] = forward_costs(model, (1, 2), repeats=9)       # {k: ms}
+        finally:
+            model.aten_rows = old
+        return ms
+    ms = measured_once(args, "ms of 1-2 tokens on each kernel", measure)
+    return fastest_rows(ms["2"], ms["0"])
+
+
+def fastest_rows(aten: dict, onednn: dict) -> int:
+    """{k: ms} of k-row forwards on ATen's kernels and on oneDNN's -> the largest n in 0..2
+    such that ATen is faster for every k <= n."""
+    n = 0
+    while n < 2 and aten[str(n + 1)] < onednn[str(n + 1)]:
+        n += 1
+    return n
 
 
 @torch.inference_mode()                 # timed as decoding runs: without autograd's bookkeeping
@@ -415,16 +463,16 @@ def forward_costs(model, sizes, batch: int = 1, prefix: int = 128, repeats: int 
     import statistics
     device = model.embed.weight.device
     cache = model.new_cache(batch, prefix + max(sizes))
-    ids = torch.arange(prefix, device=device)[None].expand(batch, prefix)
-    model(ids, ids[:1], cache)
+    pos = torch.arange(prefix, device=device)[None]
+    model((pos % model.config.vocab_size).expand(batch, prefix), pos, cache)
     ms = {}
     for k in sizes:
         times = []
         for _ in range(repeats):
             cache.length = prefix
-            new = torch.arange(k, device=device)[None].expand(batch, k)
+            new = torch.arange(k, device=device)[None]
             t0 = time.perf_counter()
-            model(new, new[:1] + prefix, cache)
+            model((new % model.config.vocab_size).expand(batch, k), new + prefix, cache)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)

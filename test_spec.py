@@ -139,6 +139,45 @@ def test_prepacked_weights_give_the_same_logits():
     assert torch.allclose(got, ref, atol=0.02 * float(ref.abs().max())), (got - ref).abs().max()
 
 
+def test_few_row_kernel_is_measured_once_per_machine_and_obeyed(tmp_path, monkeypatch):
+    import argparse
+    import model as model_module
+    import spec
+    from model import prepack
+    # fastest_rows: ATen keeps the rows it wins from 1 up, and stops at the first loss
+    assert spec.fastest_rows({"1": 10, "2": 15}, {"1": 22, "2": 22}) == 2
+    assert spec.fastest_rows({"1": 10, "2": 30}, {"1": 22, "2": 22}) == 1
+    assert spec.fastest_rows({"1": 25, "2": 15}, {"1": 22, "2": 22}) == 0
+    # the forward obeys the choice: oneDNN (and so the prepacked weight) off up to aten_rows rows
+    model = tiny_model().to(torch.bfloat16)
+    prepack(model)
+    seen, linear = [], model_module.linear
+    monkeypatch.setattr(model_module, "linear", lambda x, w, b=None, packed=None: (
+        seen.append(torch.backends.mkldnn.enabled), linear(x, w, b, packed))[1])
+
+    def onednn_used(rows, tokens):
+        seen.clear()
+        model.aten_rows = rows
+        with torch.no_grad():
+            model(torch.zeros(1, tokens, dtype=torch.long), torch.arange(tokens)[None],
+                  model.new_cache(1, 8))
+        return set(seen)
+    assert onednn_used(2, 1) == {False} and onednn_used(2, 2) == {False}
+    assert onednn_used(2, 3) == {True} and onednn_used(0, 1) == {True}
+    assert onednn_used(1, 1) == {False} and onednn_used(1, 2) == {True}
+    # measured once, then read back from the cache folder: ATen slower at 2 rows here -> 1
+    fake = {2: {1: 10.0, 2: 30.0}, 0: {1: 20.0, 2: 21.0}}
+    calls = []
+    monkeypatch.setattr(spec, "forward_costs", lambda m, sizes, repeats=5: (
+        calls.append(m.aten_rows), fake[m.aten_rows])[1])
+    args = argparse.Namespace(device="cpu", dtype="bfloat16", model="random:tiny",
+                              cache_dir=str(tmp_path))
+    assert spec.choose_aten_rows(args, model) == 1 and sorted(calls) == [0, 2]
+    assert spec.choose_aten_rows(args, model) == 1 and len(calls) == 2
+    assert os.path.isfile(tmp_path / "verify-costs.json")
+    assert spec.choose_aten_rows(args, tiny_model()) == 2       # float64: no choice to make
+
+
 def test_keeping_a_subset_of_slots_equals_appending_only_those():
     model = tiny_model()
     prefix, new = [1, 2, 3], [10, 11, 12, 13, 14]
@@ -577,7 +616,8 @@ def test_mismatched_draft_tokenizer_is_a_clear_error(tmp_path, capsys):
             "model": {"type": "BPE", "vocab": vocab, "merges": merges}}))
     with pytest.raises(SystemExit):
         main(["--model", str(tmp_path / "target"), "--method", "draft", "--draft",
-              str(tmp_path / "draft"), "--raw", "--prompt", "ab", "--max-new-tokens", "2"])
+              str(tmp_path / "draft"), "--raw", "--prompt", "ab", "--max-new-tokens", "2",
+              "--cache-dir", str(tmp_path)])            # not the user's cache: timings land there
     assert "draft and target tokenizers differ: token ranks (BPE merges) differ" in \
         capsys.readouterr().err
 
