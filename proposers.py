@@ -197,6 +197,16 @@ class DraftModelProposer:
         self.pending = tree.tokens[accepted[n_fed:].cpu()].tolist()
 
 
+def projection_bytes(proposer) -> int:
+    """Memory a proposer's reduced-vocabulary projection adds beside the target: its copy of
+    the lm_head's R rows, twice where it keeps them prepacked too (0 without one)."""
+    proj = getattr(proposer, "proj", None)
+    if proj is None:
+        return 0
+    copies = 1 if getattr(proposer, "packed", None) is None else 2
+    return proj.numel() * proj.element_size() * copies
+
+
 class PromptLookupProposer:
     """Prompt lookup: propose what followed the latest earlier occurrence of the last n tokens.
 

@@ -196,7 +196,8 @@ def build_proposer(args, target, tokenizer, slots):
     from default_model import cache_dir, default_model_path
     from heads import draft_folder, load_draft_vocab
     from model import compiled, load_model
-    from proposers import DraftConfig, DraftModelProposer, PromptLookupProposer, truncated_draft
+    from proposers import (DraftConfig, DraftModelProposer, PromptLookupProposer,
+                           projection_bytes, truncated_draft)
     from tokenizer import load_tokenizer
     if args.method in ("medusa", "eagle", "eagle2"):
         return head_proposer(args, target, slots, tokenizer)
@@ -234,9 +235,8 @@ def build_proposer(args, target, tokenizer, slots):
     own = {id(p) for p in target.parameters()}
     extra = sum(p.numel() * p.element_size() for p in draft.parameters() if id(p) not in own)
     proposer = DraftModelProposer(draft, config, slots, vocab)
-    if vocab is not None:       # its copy of the lm_head's rows (and their prepacked copy)
-        extra += proposer.proj.numel() * proposer.proj.element_size() * (
-            1 if proposer.packed is None else 2)
+    extra += projection_bytes(proposer)
+    if vocab is not None:
         name += f" (greedy drafts over {len(vocab):,} tokens)"
     info = {"draft": name, "draft_params": sum(p.numel() for p in draft.parameters()),
             "draft_memory_mb": round(extra / 2**20, 1)}
@@ -259,7 +259,7 @@ def head_proposer(args, target, slots, tokenizer, extra: int = 0):
     extra: tokens verified beside the head's tree each step (a lookup chain), for auto's costs."""
     from heads import best_paths, load_head
     from model import compiled, prepack
-    from proposers import DraftConfig, EagleProposer, MedusaProposer
+    from proposers import DraftConfig, EagleProposer, MedusaProposer, projection_bytes
     from tree import static_tree
     kind = "medusa" if args.method == "medusa" else "eagle"
     folder = args.head or os.path.join(WEIGHTS, f"smollm2-135m-{kind}")
@@ -286,10 +286,8 @@ def head_proposer(args, target, slots, tokenizer, extra: int = 0):
     else:
         size = args.tree_size or depth * top_k                        # 0: as --help says
     proposer = make(per_step_most(depth, top_k) if rule else size, rule)
-    proj = proposer.proj.numel() * proposer.proj.element_size()
-    memory = sum(p.numel() * p.element_size() for p in head.parameters()) + packed + proj
-    if isinstance(proposer, EagleProposer) and proposer.packed is not None:
-        memory += proj                                                   # its prepacked copy
+    memory = (sum(p.numel() * p.element_size() for p in head.parameters()) + packed
+              + projection_bytes(proposer))
     return proposer, {"draft": folder, "draft_params": sum(p.numel() for p in head.parameters()),
                       "draft_memory_mb": round(memory / 2**20, 1), "tree_size": size,
                       "per_step": rule is not None}

@@ -465,6 +465,9 @@ def test_draft_over_a_reduced_vocabulary_drafts_its_best_token_and_stays_lossles
     (tmp_path / "d" / "draft_vocab.json").write_text(f"[1, 2, {V}]")
     with pytest.raises(LoadError, match="below the vocabulary size"):
         load_draft_vocab(str(tmp_path / "d"), V)
+    (tmp_path / "d" / "draft_vocab.json").write_text("[1, 2,")             # cut off mid-write
+    with pytest.raises(LoadError, match="draft_vocab.json: not JSON"):
+        load_draft_vocab(str(tmp_path / "d"), V)
 
 
 def test_derived_prompts_quote_one_wordy_answer_each_and_follow_the_seed():
