@@ -266,7 +266,7 @@ def head_proposer(args, target, slots, tokenizer, extra: int = 0):
     head, config = load_head(folder, target, kind)
     packed = prepack(head)                                              # bytes it added
     if args.compile:
-        head = compiled(head)
+        head = compiled(head, target.aten_rows)              # compiled where eager is slower
     depth, top_k = args.num_speculative_tokens, args.draft_top_k
     # measured P(rank r right | path right) by depth; EAGLE-2 only ever drafts ranks < top_k
     accuracy = [row[:top_k] if args.method == "eagle2" else row for row in config.accuracy[:depth]]

@@ -792,6 +792,10 @@ def test_compiled_model_with_prepacked_weights_equals_eager():
                 model(ids[:, :6], torch.arange(6)[None], cache)
                 out.append(model(ids[:, 6:6 + T], torch.arange(6, 6 + T)[None], cache)[0].float())
             assert torch.allclose(out[1], out[0], atol=0.03 * float(out[0].abs().max())), T
+    # which rows run compiled follows the model's few-row kernel choice (spec.choose_aten_rows)
+    assert [fast.layers[0].few_rows, fast.layers[0].trees] == [2, False]
+    target.aten_rows = 0                  # prepacked weights serve every forward: none compiled
+    assert compiled(target).layers[0].few_rows == 0
 
 
 def test_cache_room_counts_the_lookup_branch():
