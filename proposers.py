@@ -118,7 +118,8 @@ class DraftModelProposer:
         self.vocab_ids = None if vocab_ids is None else vocab_ids.cpu()
         if vocab_ids is not None:
             self.proj = projection(model, vocab_ids)                        # (R, C)
-            # prepacked for rounds of 3+ tree nodes (model.py); a chain projects one row a time
+            # a prepacked copy (CPU bf16; model.linear takes it for any row count) only for
+            # trees: a chain projects one row a time, measured no faster with it (+9 MB)
             self.packed = pack(self.proj) if config.top_k > 1 else None
 
     def logits(self, ids, pos, mask=None, full=False, last_only=False) -> torch.Tensor:
@@ -257,7 +258,7 @@ class EagleProposer:
         self.target, self.head, self.config, self.static = target, head, config, static
         self.slots, self.device = slots, target.embed.weight.device
         self.proj = projection(target, head.vocab_ids)                      # (R, C)
-        self.packed = pack(self.proj)                     # CPU bf16: rounds of 3+ nodes (model.py)
+        self.packed = pack(self.proj)                     # CPU bf16: see model.linear
         self.vocab_ids = head.vocab_ids.cpu()
         self.max_nodes = (static.parents.shape[0] if static is not None else config.total + 1)
         self.taps = head.taps                   # target layers whose outputs the head reads
