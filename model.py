@@ -303,6 +303,12 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def has_kernel_choice(device, dtype) -> bool:
+    """Whether few-row forwards can run on either ATen's or oneDNN's matrix kernels (see
+    `Llama.aten_rows`): 16-bit models on CPU. Elsewhere one kernel serves all."""
+    return torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+
+
 @contextmanager
 def onednn(enabled: bool):
     """Switch torch's oneDNN (mkldnn) CPU kernels on or off for the duration of a block.
@@ -356,8 +362,7 @@ class Llama(nn.Module):
         full_mask = attention_mask(start, T, mask, tokens.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions.expand(B, T), self.embed.weight.dtype)
         x = self.embed(tokens)                                          # (B, T, C)
-        few = (B * T <= self.aten_rows and x.device.type == "cpu"
-               and x.dtype in (torch.bfloat16, torch.float16))
+        few = B * T <= self.aten_rows and has_kernel_choice(x.device, x.dtype)
         tapped = []
         with onednn(enabled=not few):
             for i, layer in enumerate(self.layers):

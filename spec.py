@@ -429,8 +429,9 @@ def measured_once(args, what: str, measure):
 def choose_aten_rows(args, model) -> int:
     """Up to how many rows a forward runs faster on ATen's own matrix kernels than on oneDNN's
     prepacked ones here (`Llama.aten_rows`): 0, 1 or 2. Only 16-bit CPU models have the choice."""
+    from model import has_kernel_choice
     w = model.embed.weight
-    if w.device.type != "cpu" or w.dtype not in (torch.bfloat16, torch.float16):
+    if not has_kernel_choice(w.device, w.dtype):
         return model.aten_rows
 
     def measure():
@@ -442,15 +443,15 @@ def choose_aten_rows(args, model) -> int:
         finally:
             model.aten_rows = old
         return ms
-    ms = measured_once(args, "ms of 1-2 tokens on each kernel", measure)
-    return fastest_rows(ms["2"], ms["0"])
+    ms = measured_once(args, "ms of 1-2 tokens on each kernel", measure)   # JSON: string keys
+    return fastest_rows(*({int(k): v for k, v in ms[rows].items()} for rows in ("2", "0")))
 
 
 def fastest_rows(aten: dict, onednn: dict) -> int:
     """{k: ms} of k-row forwards on ATen's kernels and on oneDNN's -> the largest n in 0..2
     such that ATen is faster for every k <= n."""
     n = 0
-    while n < 2 and aten[str(n + 1)] < onednn[str(n + 1)]:
+    while n < 2 and aten[n + 1] < onednn[n + 1]:
         n += 1
     return n
 

@@ -145,9 +145,9 @@ def test_few_row_kernel_is_measured_once_per_machine_and_obeyed(tmp_path, monkey
     import spec
     from model import prepack
     # fastest_rows: ATen keeps the rows it wins from 1 up, and stops at the first loss
-    assert spec.fastest_rows({"1": 10, "2": 15}, {"1": 22, "2": 22}) == 2
-    assert spec.fastest_rows({"1": 10, "2": 30}, {"1": 22, "2": 22}) == 1
-    assert spec.fastest_rows({"1": 25, "2": 15}, {"1": 22, "2": 22}) == 0
+    assert spec.fastest_rows({1: 10, 2: 15}, {1: 22, 2: 22}) == 2
+    assert spec.fastest_rows({1: 10, 2: 30}, {1: 22, 2: 22}) == 1
+    assert spec.fastest_rows({1: 25, 2: 15}, {1: 22, 2: 22}) == 0
     # the forward obeys the choice: oneDNN (and so the prepacked weight) off up to aten_rows rows
     model = tiny_model().to(torch.bfloat16)
     prepack(model)
