@@ -449,6 +449,10 @@ SHAPES = {
     "llama3-8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                              num_layers=32, num_heads=32, num_kv_heads=8, rope_theta=500000.0,
                              rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), tie_embeddings=False),
+    # The default model's 30 layers and sequence of operations, with matrices too small to cost:
+    # its forward times what a forward costs besides reading weights (per-operation overhead).
+    "smollm2-135m-thin": LlamaConfig(vocab_size=512, hidden_size=96, intermediate_size=256,
+                                     num_heads=3, num_kv_heads=1),
 }
 
 

