@@ -45,7 +45,8 @@ class HeadConfig:
 
 class EagleHead(nn.Module):
     """EAGLE (Li et al. 2024, arXiv 2401.15077): fc over [embedding of the next token; feature],
-    one Llama decoder layer with its own KV cache, output = predicted next feature.
+    one Llama decoder layer (or `layer.num_layers` of them) with its own KV cache, output =
+    predicted next feature.
 
     With taps (EAGLE-3, Li et al. 2025, arXiv 2503.01840), the feature of a committed token is
     fused from the outputs of the target layers `taps` and its final feature: fuse(kC + C -> C),
@@ -56,7 +57,7 @@ class EagleHead(nn.Module):
         C = layer.hidden_size
         self.layer_config, self.taps = layer, tuple(sorted(taps))   # Llama.forward's order
         self.fc = Linear(2 * C, C)
-        self.layer = Block(layer)
+        self.layers = nn.ModuleList(Block(layer) for _ in range(layer.num_layers))
         if self.taps:
             self.fuse = Linear((len(self.taps) + 1) * C, C, bias=False)
             with torch.no_grad():                                       # [0 ... 0 | I]
@@ -86,7 +87,8 @@ class EagleHead(nn.Module):
         full_mask = attention_mask(start, T, mask, feats.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions.expand(B, T), feats.dtype)
         x = self.fc(torch.cat([embeds, feats], dim=-1))                   # (B, T, C)
-        x = self.layer(x, cos, sin, cache.k[0], cache.v[0], start, full_mask)
+        for i, block in enumerate(self.layers):
+            x = block(x, cos, sin, cache.k[i], cache.v[i], start, full_mask)
         cache.length = start + T
         return x
 
@@ -135,10 +137,26 @@ def build_head(config: HeadConfig, vocab_ids: torch.Tensor) -> nn.Module:
     return MedusaHeads(config.hidden_size, config.num_heads, vocab_ids, config.own_projection)
 
 
-def eagle_layer_config(target: LlamaConfig) -> dict:
-    """The head's decoder layer: the target's layer shape, one layer, no RoPE scaling."""
-    fields = asdict(target) | {"num_layers": 1, "rope_scaling": None}
-    return fields
+def eagle_layer_config(target: LlamaConfig, layers: int = 1) -> dict:
+    """The head's decoder layers: the target's layer shape, `layers` of them, no RoPE scaling."""
+    return asdict(target) | {"num_layers": layers, "rope_scaling": None}
+
+
+def grow_layers(head: EagleHead, config: HeadConfig, layers: int) -> EagleHead:
+    """The head with `layers` decoder layers: its own first, then new ones that start as the
+    identity (output projections zero, so each adds nothing to the residual stream until
+    trained). config.layer is updated."""
+    have = head.layer_config.num_layers
+    if layers < have:
+        raise ValueError(f"the head has {have} layers; it can grow, not shrink to {layers}")
+    config.layer = config.layer | {"num_layers": layers}
+    grown = build_head(config, head.vocab_ids).to(head.fc.weight.dtype)
+    missing = grown.load_state_dict(head.state_dict(), strict=False).missing_keys
+    assert all(k.startswith("layers.") and int(k.split(".")[1]) >= have for k in missing), missing
+    with torch.no_grad():
+        for block in grown.layers[have:]:
+            block.attn.wo.weight.zero_(), block.mlp.w2.weight.zero_()
+    return grown
 
 
 # ---------------------------------------------------------------- files
@@ -181,6 +199,8 @@ def load_head(folder: str, target, kind: str) -> tuple:
         tensors = load_file(f"{folder}/model.safetensors")
     except (SafetensorError, OSError) as e:
         raise LoadError(f"{folder}/model.safetensors: unreadable ({e})") from None
+    # heads saved before heads could have several layers name their one layer "layer."
+    tensors = {("layers.0." + k[6:] if k.startswith("layer.") else k): v for k, v in tensors.items()}
     head = build_head(config, tensors.get("vocab_ids", torch.zeros(config.draft_vocab)))
     try:
         head.load_state_dict(tensors)

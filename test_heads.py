@@ -199,7 +199,7 @@ def test_training_smoke_loss_falls_and_saved_head_decodes_the_same(tmp_path):
 
         # --init: training goes on from the saved head, not from a fresh one
         again, _ = th.init_head(SimpleNamespace(init=str(tmp_path / f"{name}_out"),
-                                                method=method, taps=()), target)
+                                                method=method, taps=(), head_layers=0), target)
         assert all(p.requires_grad for p in again.parameters())
         more = th.train(again, loss_of(again), seqs[:8], th.TrainConfig(epochs=1, lr=1e-9,
                                                                         tokens_per_batch=256),
@@ -246,7 +246,7 @@ def test_tapped_features_fuse_losslessly_and_a_head_gains_taps_unchanged(tmp_pat
                         layer=eagle_layer_config(target.config))
     save_head(old, config, str(tmp_path / "old"))
     grown, grown_config = th.init_head(SimpleNamespace(init=str(tmp_path / "old"),
-                                                       method="eagle", taps=taps), target)
+                                                       method="eagle", taps=taps, head_layers=0), target)
     assert grown_config.taps == list(taps) and grown.taps == taps
     loaded_old = load_head(str(tmp_path / "old"), target, "eagle")[0]
     prompt, gen = [5, 9, 3, 12], GenConfig(24)
@@ -282,6 +282,66 @@ def test_tapped_features_fuse_losslessly_and_a_head_gains_taps_unchanged(tmp_pat
     save_head(head, config, str(tmp_path / "tapped_out"))
     loaded, loaded_config = load_head(str(tmp_path / "tapped_out"), target32, "eagle")
     assert loaded.taps == taps and torch.equal(loaded.fuse.weight, head.fuse.weight.bfloat16().float())
+
+
+def test_a_head_grows_layers_that_start_as_the_identity_and_learn(tmp_path):
+    import train_heads as th
+    from heads import build_head, grow_layers, projection
+    from safetensors.torch import load_file, save_file
+    target = tiny_model(6)
+    c = target.config
+    config = HeadConfig("eagle", c.hidden_size, c.vocab_size, c.vocab_size,
+                        layer=eagle_layer_config(c))
+    save_head(random_eagle(target, 7), config, str(tmp_path / "old"))
+    # a file from before heads had several layers names its layer "layer.": it loads the same
+    path = str(tmp_path / "old" / "model.safetensors")
+    tensors = load_file(path)
+    save_file({k.replace("layers.0.", "layer."): v for k, v in tensors.items()}, path)
+    old = load_head(str(tmp_path / "old"), target, "eagle")[0]
+    assert all(torch.equal(v.to(old.fc.weight.dtype), old.state_dict()[k]) for k, v in tensors.items())
+
+    # train_heads --init --head-layers 2: the grown head drafts exactly what it drafted before
+    grown, grown_config = th.init_head(SimpleNamespace(init=str(tmp_path / "old"), method="eagle",
+                                                       taps=(), head_layers=2), target)
+    assert len(grown.layers) == 2 and grown_config.layer["num_layers"] == 2
+    gen, trees = GenConfig(24), []
+    for h in (old, grown.to(torch.float64).eval()):
+        steps = []
+        out = generate_spec(target, EagleProposer(target, h, DraftConfig(3, 2, 6), 256), [5, 9, 3],
+                            gen, on_step=lambda t, a, r: steps.append(t.tokens.tolist()))
+        trees.append((out.token_ids, steps))
+    assert trees[0] == trees[1] and len(trees[0][1]) > 3
+    with pytest.raises(ValueError, match="grow, not shrink"):
+        grow_layers(grown, grown_config, 1)
+
+    # with random weights in its new layer it is still exactly plain greedy decoding
+    with torch.no_grad():
+        for p in grown.layers[1].parameters():
+            p.normal_(0, 0.3)
+    prop = EagleProposer(target, grown, DraftConfig(3, 3, 8), 256)
+    for p in ([1, 2, 3], [7], [11, 5, 9, 30, 2, 8]):
+        assert generate_spec(target, prop, p, gen).token_ids == generate_ar(target, p, gen).token_ids
+
+    # a two-layer head learns (the unrolled training keeps one cache tensor per layer) and
+    # saves and loads with both layers
+    target32 = target.float().requires_grad_(False)
+    rows = [(f"q{i} {'ab' * (i % 5)}", None) for i in range(24)]
+    th.extract_features(target32, TinyTokenizer(), rows, str(tmp_path / "f"), 8, 24, 64)
+    seqs = th.load_features(str(tmp_path / "f"))
+    config2 = HeadConfig("eagle", c.hidden_size, c.vocab_size, 40, layer=eagle_layer_config(c, 2))
+    head = build_head(config2, th.draft_vocabulary(seqs, 40, (0,)))
+    proj = projection(target32, head.vocab_ids)
+    record = th.train(head, lambda s: th.eagle_loss(head, target32.embed, proj, th.make_batch(s),
+                                                    3, 0.1),
+                      seqs, th.TrainConfig(epochs=20, tokens_per_batch=256, lr=3e-3,
+                                           bf16=False),      # autocast's copies would hide it
+                      str(tmp_path / "two"))
+    first, last = record["losses"][:5], record["losses"][-5:]
+    assert sum(map(sum, last)) < sum(map(sum, first)) - 0.8 * 3, (first, last)
+    save_head(head, config2, str(tmp_path / "two_out"))
+    loaded = load_head(str(tmp_path / "two_out"), target32, "eagle")[0]
+    assert len(loaded.layers) == 2 and torch.equal(
+        loaded.layers[1].mlp.w2.weight, head.layers[1].mlp.w2.weight.bfloat16().float())
 
 
 # ---------------------------------------------------------------- the benchmark

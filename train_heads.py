@@ -357,15 +357,18 @@ def eagle_unroll(head, embed, b: Batch, steps: int) -> list:
     pos = torch.arange(L)[None].expand(B, L)
     cache, feats, outs = head.new_cache(0, B), head.fuse_features(b.feats), []
     for j in range(steps):
-        cache = KVCache(widen(cache.k, L), widen(cache.v, L), j * L)    # fresh tensors: autograd
+        # fresh tensors, one per layer (lists stand in for the cache's stacked layers): autograd
+        # keeps each layer's keys for the backward pass, and a later layer writing into the same
+        # tensor would invalidate them
+        cache = KVCache([widen(k, L) for k in cache.k], [widen(v, L) for v in cache.v], j * L)
         outs.append(head(feats, embeds, pos, cache, ttt_mask(L, j)))    # (B, L, C)
         feats = torch.cat([torch.zeros_like(feats[:, :1]), outs[-1][:, :-1]], dim=1)  # g_{i-1}
     return outs
 
 
 def widen(x: torch.Tensor, L: int) -> torch.Tensor:
-    """(1, B, K, S, D) -> (1, B, K, S + L, D), the new slots zero."""
-    return torch.cat([x, x.new_zeros(*x.shape[:3], L, x.shape[4])], dim=3)
+    """One layer's (B, K, S, D) -> (B, K, S + L, D), the new slots zero."""
+    return torch.cat([x, x.new_zeros(*x.shape[:2], L, x.shape[3])], dim=2)
 
 
 def eagle_loss(head, embed, proj, b: Batch, steps: int, feature_weight: float,
@@ -621,6 +624,10 @@ def parse_args(argv=None):
                         "instead of a fresh one, e.g. to train a shipped head on more data; its "
                         "shape and draft vocabulary are kept (--draft-vocab, --heads and "
                         "--own-projection then do not apply)")
+    p.add_argument("--head-layers", type=int, default=0, metavar="N",
+                   help="EAGLE: decoder layers in the head (default 1, or the --init head's "
+                        "own). With --init, a head with fewer layers grows to N, its new layers "
+                        "started as the identity")
     p.add_argument("--taps", type=layer_list, default=(), metavar="I,J",
                    help="EAGLE: also feed the head the outputs of these target layers (0-based), "
                         "fused with the final feature (EAGLE-3); e.g. 1,14. The features stage "
@@ -661,6 +668,9 @@ def main(argv=None):
     args = parse_args(argv)
     if args.init and args.method == "draft":
         raise ValueError("--init continues an EAGLE or Medusa head; it does not apply to --method draft")
+    if args.head_layers < 0 or (args.head_layers and args.method != "eagle"):
+        raise ValueError("--head-layers N (N >= 1) shapes an EAGLE head; it does not apply to "
+                         "--method " + args.method)
     if args.taps and args.method != "eagle":
         raise ValueError("--taps feeds an EAGLE head; it does not apply to --method " + args.method)
     if args.init and not args.taps and args.method == "eagle":           # the head's own taps
@@ -749,7 +759,7 @@ def new_head(args, target, train_seqs: list, stop_ids) -> tuple:
              else draft_vocabulary(train_seqs, args.draft_vocab, stop_ids))
     c = target.config
     config = HeadConfig(args.method, c.hidden_size, c.vocab_size, len(vocab), args.heads,
-                        eagle_layer_config(c) if args.method == "eagle" else {},
+                        eagle_layer_config(c, args.head_layers or 1) if args.method == "eagle" else {},
                         own_projection=args.own_projection, taps=list(args.taps))
     head = build_head(config, vocab)
     if config.own_projection:
@@ -761,9 +771,11 @@ def new_head(args, target, train_seqs: list, stop_ids) -> tuple:
 def init_head(args, target) -> tuple:
     """-> (head, HeadConfig) of the trained head in --init, to train further: its shape and
     draft vocabulary are kept (--draft-vocab, --heads and --own-projection do not apply)."""
-    from heads import build_head, load_head
+    from heads import build_head, grow_layers, load_head
     head, config = load_head(args.init, target, args.method)
     config.accuracy = []                                                   # measured again
+    if args.head_layers and args.head_layers != config.layer.get("num_layers"):
+        head = grow_layers(head, config, args.head_layers)     # new layers start as the identity
     if args.taps and tuple(config.taps) != args.taps:
         if config.taps:
             raise ValueError(f"{args.init}: its head reads layers {config.taps}, not --taps "
