@@ -770,7 +770,8 @@ def new_head(args, target, train_seqs: list, stop_ids) -> tuple:
 
 def init_head(args, target) -> tuple:
     """-> (head, HeadConfig) of the trained head in --init, to train further: its shape and
-    draft vocabulary are kept (--draft-vocab, --heads and --own-projection do not apply)."""
+    draft vocabulary are kept (--draft-vocab, --heads and --own-projection do not apply), but
+    for what it gains: more layers (--head-layers) and taps (--taps)."""
     from heads import build_head, grow_layers, load_head
     head, config = load_head(args.init, target, args.method)
     config.accuracy = []                                                   # measured again
