@@ -150,7 +150,7 @@ def grow_layers(head: EagleHead, config: HeadConfig, layers: int) -> EagleHead:
     if layers < have:
         raise ValueError(f"the head has {have} layers; it can grow, not shrink to {layers}")
     config.layer = config.layer | {"num_layers": layers}
-    grown = build_head(config, head.vocab_ids).to(head.fc.weight.dtype)
+    grown = build_head(config, head.vocab_ids).to(head.fc.weight)         # its dtype and device
     missing = grown.load_state_dict(head.state_dict(), strict=False).missing_keys
     assert all(k.startswith("layers.") and int(k.split(".")[1]) >= have for k in missing), missing
     with torch.no_grad():
@@ -200,7 +200,8 @@ def load_head(folder: str, target, kind: str) -> tuple:
     except (SafetensorError, OSError) as e:
         raise LoadError(f"{folder}/model.safetensors: unreadable ({e})") from None
     # heads saved before heads could have several layers name their one layer "layer."
-    tensors = {("layers.0." + k[6:] if k.startswith("layer.") else k): v for k, v in tensors.items()}
+    tensors = {("layers.0." + k.removeprefix("layer.") if k.startswith("layer.") else k): v
+               for k, v in tensors.items()}
     head = build_head(config, tensors.get("vocab_ids", torch.zeros(config.draft_vocab)))
     try:
         head.load_state_dict(tensors)
