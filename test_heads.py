@@ -551,6 +551,32 @@ def test_derived_prompts_quote_one_wordy_answer_each_and_follow_the_seed():
         th.derive_prompts(rows, -5, seed=0)
 
 
+def test_sources_filter_lines_and_templates_rewrite_prompts(tmp_path):
+    import train_heads as th
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"source": "nq", "prompt": "who wrote it?"},
+        {"source": "math", "prompt": "2 + 2?"},
+        {"source": "nq", "messages": [{"role": "user", "content": "when?"},
+                                      {"role": "assistant", "content": "1999"}]},
+        {"prompt": "no source"}]) + "\n")
+    assert th.read_conversations(str(path), ("nq",)) == [("who wrote it?", None), ("when?", "1999")]
+    assert len(th.read_conversations(str(path))) == 4
+    with pytest.raises(ValueError, match="no training lines from sources qa"):
+        th.read_conversations(str(path), ("qa",))
+    rows = [(f"question {i}?", "an answer") for i in range(40)]
+    templates = ["Explain: {prompt}", "{prompt} In detail."]
+    out = th.templated_prompts(rows, templates, seed=1)
+    assert all(a is None for _, a in out), "the target writes the answers"
+    assert all(p in (f"Explain: question {i}?", f"question {i}? In detail.")
+               for i, (p, _) in enumerate(out))
+    assert {p.startswith("Explain") for p, _ in out} == {True, False}, "both templates drawn"
+    assert th.templated_prompts(rows, templates, seed=1) == out
+    assert th.templated_prompts(rows, templates, seed=2) != out
+    with pytest.raises(ValueError, match="must contain {prompt}"):
+        th.templated_prompts(rows, ["Explain:"], seed=0)
+
+
 @pytest.mark.parametrize("kind", ["eagle2", "medusa"])
 def test_sampling_with_heads_runs_through_tree_verification_and_is_seeded(kind):
     target = tiny_model(7)

@@ -33,12 +33,15 @@ SHARD_LINES = 256            # data lines per feature shard: the unit of resumpt
 
 # ---------------------------------------------------------------- data
 
-def read_conversations(path: str) -> list:
+def read_conversations(path: str, sources=()) -> list:
     """JSONL -> [(user text, assistant text or None)]: `messages` pairs, or `prompt` alone (the
-    target then writes the answer itself). A bad line names its number."""
+    target then writes the answer itself). sources: keep only lines whose `source` is one of
+    them. A bad line names its number."""
     from spec import jsonl_rows
     rows = []
     for number, row in jsonl_rows(path):
+        if sources and row.get("source") not in sources:
+            continue
         try:
             if "prompt" in row:
                 rows.append((str(row["prompt"]), None))
@@ -49,8 +52,21 @@ def read_conversations(path: str) -> list:
             raise ValueError(f"{path}:{number}: expected 'prompt' or 'messages' with a user "
                              f"and an assistant turn ({e!r})") from None
     if not rows:
-        raise ValueError(f"{path}: no training lines")
+        raise ValueError(f"{path}: no training lines" + (f" from sources {', '.join(sources)}"
+                                                         if sources else ""))
     return rows
+
+
+def templated_prompts(rows: list, templates: list, seed: int) -> list:
+    """Each prompt rewritten by one of the templates ("... {prompt} ..."), drawn at random; the
+    answers are dropped, for the target to write. Turns short questions into requests for
+    long answers, e.g. "Explain in detail: {prompt}"."""
+    import random
+    for t in templates:
+        if "{prompt}" not in t:
+            raise ValueError(f"--template {t!r}: it must contain {{prompt}}")
+    rnd = random.Random(seed)
+    return [(rnd.choice(templates).replace("{prompt}", q), None) for q, _ in rows]
 
 
 # Copy-and-transform tasks over an answer text: what summarization, extraction and retrieval
@@ -601,6 +617,12 @@ def parse_args(argv=None):
                         "from, answer from, rewrite or explain one of its answers (copy-and-"
                         "transform tasks, answered by the target itself); features go to a folder "
                         "of their own (0: off)")
+    p.add_argument("--sources", type=lambda s: tuple(s.split(",")), default=(), metavar="A,B",
+                   help="use only --data lines whose 'source' field is one of these")
+    p.add_argument("--template", action="append", default=[], metavar="TEXT",
+                   help="rewrite every prompt as TEXT with {prompt} replaced (given several "
+                        "times: one drawn at random per prompt), for the target to answer; "
+                        "features go to a folder of their own")
     p.add_argument("--batch", type=int, default=64, help="sequences per target forward")
     p.add_argument("--max-new-tokens", type=int, default=192,
                    help="longest answer the target writes (or that is kept of a dataset answer)")
@@ -658,6 +680,10 @@ def default_features_dir(args) -> str:
     root = os.path.dirname(args.model.rstrip("/")) if args.model else \
         os.path.dirname(default_model_path(args.cache_dir))
     name = os.path.splitext(os.path.basename(args.data))[0] + ("-derived" if args.derive else "")
+    if args.sources or args.template:       # a different set of conversations: its own folder
+        import hashlib
+        what = json.dumps([sorted(args.sources), args.template, args.seed]).encode()
+        name += "-" + hashlib.sha1(what).hexdigest()[:8]
     return os.path.join(root, f"features-{name}")
 
 
@@ -681,8 +707,9 @@ def main(argv=None):
     if args.stage in ("features", "all"):
         if "," in features:
             raise ValueError(f"--features {features}: the features stage writes one folder")
-        rows = read_conversations(args.data)
+        rows = read_conversations(args.data, args.sources)
         rows = derive_prompts(rows, args.derive, args.seed) if args.derive else rows
+        rows = templated_prompts(rows, args.template, args.seed) if args.template else rows
         rows = rows[:args.limit] if args.limit else rows
         target = load_model(model_path, torch.bfloat16)
         extract_features(target, tokenizer, rows, features, args.batch, args.max_new_tokens,
