@@ -190,14 +190,22 @@ class Linear(nn.Linear):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.packed = None              # derived from weight by prepack(); not saved
+        self.int8 = None                # derived from weight by quantize_int8(); not saved
 
     def forward(self, x):
-        return linear(x, self.weight, self.bias, self.packed)
+        return linear(x, self.weight, self.bias, self.packed, self.int8)
 
 
-def linear(x, weight, bias=None, packed=None):
-    """F.linear, through the prepacked weight when there is one and oneDNN is on (see `prepack`;
-    `Llama.forward` switches oneDNN off for the few-row forwards that ATen's kernel runs faster)."""
+def linear(x, weight, bias=None, packed=None, int8=None):
+    """F.linear, through the int8 copy of the weight when there is one (drafts only, see
+    `quantize_int8`), else through the prepacked weight when there is one and oneDNN is on (see
+    `prepack`; `Llama.forward` switches oneDNN off for the few-row forwards that ATen's kernel
+    runs faster)."""
+    if int8 is not None:
+        q, scales = int8
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), q, scales)
+        y = y.view(*x.shape[:-1], -1)
+        return y if bias is None else y + bias
     if packed is None or not torch.backends.mkldnn.enabled or torch.compiler.is_compiling():
         # (torch.compile cannot trace oneDNN's opaque packed tensors; it picks its own kernels)
         return F.linear(x, weight, bias)
@@ -213,6 +221,36 @@ def pack(weight: torch.Tensor, rows_hint: int = 16):
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
+
+
+def int8_weights(weight: torch.Tensor):
+    """weight (out, in) -> (int8 (out, in), scales (out,)): symmetric per-row quantization, for
+    torch's weight-only int8 kernel; None where that kernel does not apply (CPU, 16/32-bit)."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16,
+                                                            torch.float16):
+        return None
+    w = weight.detach().float()
+    scales = w.abs().amax(1).clamp(min=1e-12) / 127                     # (out,)
+    q = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scales.to(weight.dtype)
+
+
+def quantize_int8(module: nn.Module) -> int:
+    """Give every Linear in module an int8 copy of its weight, used instead of it from then on.
+
+    For DRAFTS only: a draft decides what is proposed, never what is accepted, so its rounding
+    can cost acceptance but never correctness; the target stays exact. Why: a draft head's
+    matrices are small and cold (the target's pass evicts them), and reading them is most of a
+    drafting round; int8 halves the bytes. Returns the number of bytes added (0 where the
+    kernel does not apply)."""
+    added = 0
+    for layer in module.modules():
+        if isinstance(layer, Linear):
+            layer.int8 = int8_weights(layer.weight)
+            if layer.int8 is not None:
+                layer.packed = None                  # not used any more: free it
+                added += layer.weight.numel() + layer.int8[1].numel() * layer.weight.element_size()
+    return added
 
 
 def prepack(module: nn.Module) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import target_probs, sample
-from model import Llama, LlamaConfig, linear, pack
+from model import Llama, LlamaConfig, int8_weights, linear, pack
 from tree import Tree, add_chain, ancestor_mask, best_nodes, chain, grow_tree
 
 
@@ -200,12 +200,14 @@ class DraftModelProposer:
 
 def projection_bytes(proposer) -> int:
     """Memory a proposer's reduced-vocabulary projection adds beside the target: its copy of
-    the lm_head's R rows, twice where it keeps them prepacked too (0 without one)."""
+    the lm_head's R rows, twice where it keeps them prepacked too, plus an int8 copy where it
+    drafts with one (0 without a projection)."""
     proj = getattr(proposer, "proj", None)
     if proj is None:
         return 0
     copies = 1 if getattr(proposer, "packed", None) is None else 2
-    return proj.numel() * proj.element_size() * copies
+    int8 = getattr(proposer, "int8", None)
+    return proj.numel() * proj.element_size() * copies + (0 if int8 is None else proj.numel())
 
 
 class PromptLookupProposer:
@@ -253,12 +255,16 @@ class EagleProposer:
     dropped after verification: the accepted ones come back with the target's true features.
     EAGLE-2 (static=None) grows the tree with tree.grow_tree; EAGLE uses a fixed StaticTree."""
 
-    def __init__(self, target: Llama, head, config: DraftConfig, slots: int, static=None):
+    def __init__(self, target: Llama, head, config: DraftConfig, slots: int, static=None,
+                 int8: bool = False):
+        """int8: draft through an int8 copy of the projection (see model.quantize_int8; the
+        head's own layers are quantized by the caller)."""
         from heads import projection
         self.target, self.head, self.config, self.static = target, head, config, static
         self.slots, self.device = slots, target.embed.weight.device
         self.proj = projection(target, head.vocab_ids)                      # (R, C)
-        self.packed = pack(self.proj)                     # CPU bf16: see model.linear
+        self.int8 = int8_weights(self.proj) if int8 else None
+        self.packed = pack(self.proj) if self.int8 is None else None   # CPU bf16: model.linear
         self.vocab_ids = head.vocab_ids.cpu()
         self.max_nodes = (static.parents.shape[0] if static is not None else config.total + 1)
         self.taps = head.taps                   # target layers whose outputs the head reads
@@ -269,7 +275,8 @@ class EagleProposer:
 
     def logp(self, feats: torch.Tensor) -> torch.Tensor:
         """(F, C) predicted features -> (F, R) log-probabilities over the draft vocabulary."""
-        return torch.log_softmax(linear(feats, self.proj, packed=self.packed).float(), dim=-1)
+        return torch.log_softmax(linear(feats, self.proj, packed=self.packed, int8=self.int8)
+                                 .float(), dim=-1)
 
     def feed(self, feats, tokens, positions, mask=None) -> torch.Tensor:
         """(T, C) features, (T,) tokens and positions -> (T, C) predicted next features."""

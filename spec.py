@@ -258,13 +258,14 @@ def head_proposer(args, target, slots, tokenizer, extra: int = 0):
     """Medusa / EAGLE / EAGLE-2 from a trained head folder (default: the shipped weights).
     extra: tokens verified beside the head's tree each step (a lookup chain), for auto's costs."""
     from heads import best_paths, load_head
-    from model import compiled, prepack
+    from model import compiled, prepack, quantize_int8
     from proposers import DraftConfig, EagleProposer, MedusaProposer, projection_bytes
     from tree import static_tree
     kind = "medusa" if args.method == "medusa" else "eagle"
     folder = args.head or os.path.join(WEIGHTS, f"smollm2-135m-{kind}")
     head, config = load_head(folder, target, kind)
-    packed = prepack(head)                                              # bytes it added
+    int8 = args.draft_int8 and kind == "eagle"
+    added = quantize_int8(head) if int8 else prepack(head)              # bytes it added
     if args.compile:
         head = compiled(head, target.aten_rows)              # compiled where eager is slower
     depth, top_k = args.num_speculative_tokens, args.draft_top_k
@@ -273,12 +274,13 @@ def head_proposer(args, target, slots, tokenizer, extra: int = 0):
 
     def make(size: int, rule=None):
         if args.method == "eagle2":                # with a rule: `size` is the most per step
-            return EagleProposer(target, head, DraftConfig(depth, top_k, size, rule), slots)
+            return EagleProposer(target, head, DraftConfig(depth, top_k, size, rule), slots,
+                                 int8=int8)
         if not accuracy:
             raise ValueError(f"{folder}/config.json has no measured accuracy to build a tree from")
         tree = static_tree(best_paths(accuracy, size))
         return (MedusaProposer(target, head, tree) if kind == "medusa" else
-                EagleProposer(target, head, DraftConfig(depth), slots, tree))
+                EagleProposer(target, head, DraftConfig(depth), slots, tree, int8=int8))
 
     rule = None
     if args.tree_size == "auto":
@@ -286,7 +288,7 @@ def head_proposer(args, target, slots, tokenizer, extra: int = 0):
     else:
         size = args.tree_size or depth * top_k                        # 0: as --help says
     proposer = make(per_step_most(depth, top_k) if rule else size, rule)
-    memory = (sum(p.numel() * p.element_size() for p in head.parameters()) + packed
+    memory = (sum(p.numel() * p.element_size() for p in head.parameters()) + added
               + projection_bytes(proposer))
     return proposer, {"draft": folder, "draft_params": sum(p.numel() for p in head.parameters()),
                       "draft_memory_mb": round(memory / 2**20, 1), "tree_size": size,
@@ -527,6 +529,11 @@ def parse_args(argv=None):
                    default="bfloat16", help="weights and activations dtype (bfloat16: about 2x "
                    "faster than float32 on these CPUs; float32 for exact greedy equality)")
     p.add_argument("--device", help="cpu, cuda, mps (default: the best available)")
+    p.add_argument("--draft-int8", action=argparse.BooleanOptionalAction, default=True,
+                   help="EAGLE heads: draft through int8 copies of the head's and its "
+                        "projection's weights (torch's weight-only int8 kernel; CPU, 16/32-bit; "
+                        "on by default, measured 1.59x -> 1.63x for EAGLE-2). A draft only "
+                        "decides what is proposed, so decoding stays lossless")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decoder layers of the target and of the draft or "
                         "head (one-token steps measured 1.09-1.18x faster here; on CPU bf16 "

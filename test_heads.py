@@ -58,6 +58,40 @@ def test_greedy_with_random_heads_equals_plain_greedy(kind):
             assert max(spec.drafted) == proposer.max_nodes - 1
 
 
+def test_int8_drafts_use_the_quantized_weights_and_stay_lossless():
+    """--draft-int8: every Linear of the head and the proposer's projection run torch's int8
+    kernel on per-row-quantized weights (float32 here: the kernel takes 16/32-bit inputs);
+    greedy output still equals plain decoding."""
+    from model import Linear, int8_weights, quantize_int8
+    w = torch.randn(48, 32)
+    q, scales = int8_weights(w)
+    deq = q.float() * scales[:, None]
+    assert q.dtype == torch.int8 and (w - deq).abs().le(scales[:, None] / 2 + 1e-7).all()
+    assert int8_weights(w.double()) is None, "no float64 kernel: stay unquantized"
+    gen, accepted = GenConfig(max_new_tokens=40), 0
+    for seed in range(2):
+        target = tiny_model(seed).float()
+        head = random_eagle(target, seed).float()
+        assert quantize_int8(head) > 0
+        linears = [m for m in head.modules() if isinstance(m, Linear)]
+        assert linears and all(m.int8 is not None and m.packed is None for m in linears)
+        x = torch.randn(3, linears[0].in_features)
+        deq = linears[0].int8[0].float() * linears[0].int8[1][:, None]
+        assert torch.allclose(linears[0](x), x @ deq.T + linears[0].bias, atol=1e-4)
+        assert not torch.allclose(linears[0](x), x @ linears[0].weight.T + linears[0].bias,
+                                  atol=1e-4), "the int8 copy, not the weight, is used"
+        proposer = EagleProposer(target, head, DraftConfig(4, 3, 8), 256, int8=True)
+        feats = torch.randn(2, target.config.hidden_size)
+        pq, ps = proposer.int8
+        assert torch.allclose(proposer.logp(feats),
+                              torch.log_softmax(feats @ (pq.float() * ps[:, None]).T, -1), atol=1e-4)
+        for prompt in ([1, 2, 3], [11, 5, 9, 30, 2, 8]):
+            spec = generate_spec(target, proposer, prompt, gen)
+            assert spec.token_ids == generate_ar(target, prompt, gen).token_ids
+            accepted += sum(spec.accepted)
+    assert accepted > 0, "some int8 drafts were accepted, so accepted paths were checked too"
+
+
 @pytest.mark.parametrize("static", [False, True])
 def test_eagle_tree_features_equal_each_path_fed_alone(static):
     """Every tree node's predicted feature equals feeding its path one entry at a time into a

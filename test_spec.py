@@ -152,8 +152,8 @@ def test_few_row_kernel_is_measured_once_per_machine_and_obeyed(tmp_path, monkey
     model = tiny_model().to(torch.bfloat16)
     prepack(model)
     seen, linear = [], model_module.linear
-    monkeypatch.setattr(model_module, "linear", lambda x, w, b=None, packed=None: (
-        seen.append(torch.backends.mkldnn.enabled), linear(x, w, b, packed))[1])
+    monkeypatch.setattr(model_module, "linear", lambda x, w, b=None, packed=None, int8=None: (
+        seen.append(torch.backends.mkldnn.enabled), linear(x, w, b, packed, int8))[1])
 
     def onednn_used(rows, tokens):
         seen.clear()
