@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from kernels import attention_mask
-from model import (Block, KVCache, Linear, LlamaConfig, LoadError, cache_dtype, rope_cos_sin,
-                   rope_inv_freq)
+from model import (Block, KVCache, Linear, LlamaConfig, LoadError, cache_dtype, linear,
+                   rope_cos_sin, rope_inv_freq)
 
 
 @dataclass
@@ -105,7 +105,8 @@ class MedusaHeads(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, vocab_ids: torch.Tensor,
                  own_projection: bool = False):
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_heads))
+        # model.Linear: drafting may run it through an int8 copy (model.quantize_int8)
+        self.blocks = nn.ModuleList(Linear(hidden_size, hidden_size) for _ in range(num_heads))
         for b in self.blocks:
             nn.init.zeros_(b.weight), nn.init.zeros_(b.bias)
         self.register_buffer("vocab_ids", vocab_ids.long())              # (R,)
@@ -118,11 +119,12 @@ class MedusaHeads(nn.Module):
         """hidden (..., C) -> (..., M, C): one feature per head, for the shared projection."""
         return torch.stack([hidden + nn.functional.silu(b(hidden)) for b in self.blocks], -2)
 
-    def logits(self, hidden, shared: torch.Tensor) -> torch.Tensor:
-        """hidden (..., C), shared (R, C) the target's rows -> (..., M, R)."""
+    def logits(self, hidden, shared, packed=None, int8=None) -> torch.Tensor:
+        """hidden (..., C), shared (R, C) the target's rows (or their prepacked / int8 copy, see
+        model.linear) -> (..., M, R)."""
         feats = self(hidden)                                             # (..., M, C)
         if self.proj is None:
-            return feats @ shared.T
+            return linear(feats, shared, packed=packed, int8=int8)
         return torch.einsum("...mc,mrc->...mr", feats, self.proj)
 
 

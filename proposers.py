@@ -198,16 +198,27 @@ class DraftModelProposer:
         self.pending = tree.tokens[accepted[n_fed:].cpu()].tolist()
 
 
+def draft_projection(target: Llama, vocab_ids: torch.Tensor, int8: bool) -> tuple:
+    """The target's lm_head rows of a draft vocabulary, as model.linear takes them ->
+    (rows (R, C) or None, prepacked copy or None, int8 copy or None). With int8 (where the
+    kernel applies) only the int8 copy is kept: nothing reads the 16-bit rows then."""
+    from heads import projection
+    rows = projection(target, vocab_ids)                                    # (R, C)
+    q = int8_weights(rows) if int8 else None
+    if q is not None:
+        return None, None, q
+    return rows, pack(rows), None                        # prepacked: CPU bf16 only, else None
+
+
 def projection_bytes(proposer) -> int:
-    """Memory a proposer's reduced-vocabulary projection adds beside the target: its copy of
-    the lm_head's R rows, twice where it keeps them prepacked too, plus an int8 copy where it
-    drafts with one (0 without a projection)."""
-    proj = getattr(proposer, "proj", None)
-    if proj is None:
-        return 0
-    copies = 1 if getattr(proposer, "packed", None) is None else 2
-    int8 = getattr(proposer, "int8", None)
-    return proj.numel() * proj.element_size() * copies + (0 if int8 is None else proj.numel())
+    """Memory a proposer's reduced-vocabulary projection adds beside the target: the copies of
+    the lm_head's R rows it keeps (16-bit, prepacked, int8; 0 without a projection)."""
+    proj, packed, int8 = (getattr(proposer, name, None) for name in ("proj", "packed", "int8"))
+    total = 0 if proj is None else proj.numel() * proj.element_size() * (1 if packed is None else 2)
+    if int8 is not None:
+        q, scales = int8
+        total += q.numel() + scales.numel() * scales.element_size()
+    return total
 
 
 class PromptLookupProposer:
@@ -259,12 +270,9 @@ class EagleProposer:
                  int8: bool = False):
         """int8: draft through an int8 copy of the projection (see model.quantize_int8; the
         head's own layers are quantized by the caller)."""
-        from heads import projection
         self.target, self.head, self.config, self.static = target, head, config, static
         self.slots, self.device = slots, target.embed.weight.device
-        self.proj = projection(target, head.vocab_ids)                      # (R, C)
-        self.int8 = int8_weights(self.proj) if int8 else None
-        self.packed = pack(self.proj) if self.int8 is None else None   # CPU bf16: model.linear
+        self.proj, self.packed, self.int8 = draft_projection(target, head.vocab_ids, int8)
         self.vocab_ids = head.vocab_ids.cpu()
         self.max_nodes = (static.parents.shape[0] if static is not None else config.total + 1)
         self.taps = head.taps                   # target layers whose outputs the head reads
@@ -340,10 +348,11 @@ class MedusaProposer:
     """Medusa: M heads read the target's feature of the last accepted token at once; the static
     tree's node at depth d and rank r is head d's r-th most likely token (Cai et al. 2024)."""
 
-    def __init__(self, target: Llama, head, static):
-        from heads import projection
+    def __init__(self, target: Llama, head, static, int8: bool = False):
+        """int8: draft through an int8 copy of the projection (see model.quantize_int8; the
+        heads' own blocks are quantized by the caller)."""
         self.head, self.static = head, static
-        self.proj = projection(target, head.vocab_ids)                      # (R, C)
+        self.proj, self.packed, self.int8 = draft_projection(target, head.vocab_ids, int8)
         self.vocab_ids = head.vocab_ids.cpu()
         self.max_nodes = static.parents.shape[0]
         self.taps = ()                                # the final feature only
@@ -355,7 +364,7 @@ class MedusaProposer:
 
     def propose(self, root: int, gen, generator) -> tuple:
         st = self.static
-        logits = self.head.logits(self.feature, self.proj)                  # (M, R)
+        logits = self.head.logits(self.feature, self.proj, self.packed, self.int8)  # (M, R)
         top = logits.topk(int(st.ranks.max()) + 1).indices.cpu()            # (M, ranks)
         tokens = self.vocab_ids[top[(st.depths - 1).clamp(min=0), st.ranks]]
         tokens[0] = root

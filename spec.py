@@ -264,7 +264,7 @@ def head_proposer(args, target, slots, tokenizer, extra: int = 0):
     kind = "medusa" if args.method == "medusa" else "eagle"
     folder = args.head or os.path.join(WEIGHTS, f"smollm2-135m-{kind}")
     head, config = load_head(folder, target, kind)
-    int8 = args.draft_int8 and kind == "eagle"
+    int8 = args.draft_int8
     added = quantize_int8(head) if int8 else prepack(head)              # bytes it added
     if args.compile:
         head = compiled(head, target.aten_rows)              # compiled where eager is slower
@@ -279,7 +279,7 @@ def head_proposer(args, target, slots, tokenizer, extra: int = 0):
         if not accuracy:
             raise ValueError(f"{folder}/config.json has no measured accuracy to build a tree from")
         tree = static_tree(best_paths(accuracy, size))
-        return (MedusaProposer(target, head, tree) if kind == "medusa" else
+        return (MedusaProposer(target, head, tree, int8) if kind == "medusa" else
                 EagleProposer(target, head, DraftConfig(depth), slots, tree, int8=int8))
 
     rule = None
@@ -390,8 +390,9 @@ def machine_name(device: str) -> str:
     return f"{name} x{torch.get_num_threads()}"
 
 
-COSTS_VERSION = "v3"      # bumped when the model's kernels change (v2: 1-query float32 attention;
-                          # v3: float32 KV cache and attention, RMSNorm in the reference's roundings)
+COSTS_VERSION = "v4"      # bumped when the model's kernels or the timing change (v2: 1-query
+                          # float32 attention; v3: float32 KV cache and attention, RMSNorm in the
+                          # reference's roundings; v4: sizes timed in turns, see forward_costs)
 
 
 def verify_costs(args, model) -> dict:
@@ -437,14 +438,17 @@ def choose_aten_rows(args, model) -> int:
         return model.aten_rows
 
     def measure():
-        old, ms = model.aten_rows, {}
+        import statistics
+        old, runs = model.aten_rows, {0: [], 2: []}
         try:
-            for rows in (0, 2):
-                model.aten_rows = rows
-                ms[rows] = forward_costs(model, (1, 2), repeats=9)       # {k: ms}
+            for _ in range(9):              # the two kernels in turns, as in forward_costs
+                for rows in runs:
+                    model.aten_rows = rows
+                    runs[rows].append(forward_costs(model, (1, 2), repeats=1))   # {k: ms}
         finally:
             model.aten_rows = old
-        return ms
+        return {rows: {k: statistics.median(r[k] for r in rs) for k in (1, 2)}
+                for rows, rs in runs.items()}
     ms = measured_once(args, "ms of 1-2 tokens on each kernel", measure)   # JSON: string keys
     return fastest_rows(*({int(k): v for k, v in ms[rows].items()} for rows in ("2", "0")))
 
@@ -460,25 +464,27 @@ def fastest_rows(aten: dict, onednn: dict) -> int:
 
 @torch.inference_mode()                 # timed as decoding runs: without autograd's bookkeeping
 def forward_costs(model, sizes, batch: int = 1, prefix: int = 128, repeats: int = 5) -> dict:
-    """{k: median ms} of one forward over k new tokens per row (batch rows) after a prefix."""
+    """{k: median ms} of one forward over k new tokens per row (batch rows) after a prefix.
+
+    The sizes take turns, one forward each per round: a burst of load on this shared machine
+    then slows one round of every size, not all repeats of one (a one-off 2-token median of
+    28 ms against 22 measured again, which `--tree-size auto` kept in its cache)."""
     import statistics
     device = model.embed.weight.device
     cache = model.new_cache(batch, prefix + max(sizes))
     pos = torch.arange(prefix, device=device)[None]
     model((pos % model.config.vocab_size).expand(batch, prefix), pos, cache)
-    ms = {}
-    for k in sizes:
-        times = []
-        for _ in range(repeats):
+    times = {k: [] for k in sizes}
+    for _ in range(repeats):
+        for k in sizes:
             cache.length = prefix
             new = torch.arange(k, device=device)[None]
             t0 = time.perf_counter()
             model((new % model.config.vocab_size).expand(batch, k), new + prefix, cache)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        ms[k] = round(statistics.median(times) * 1000, 3)
-    return ms
+            times[k].append(time.perf_counter() - t0)
+    return {k: round(statistics.median(t) * 1000, 3) for k, t in times.items()}
 
 
 class Streamer:

@@ -11,7 +11,8 @@ import torch
 from heads import (EagleHead, HeadConfig, MedusaHeads, best_paths, eagle_layer_config,
                    load_head, save_head)
 from model import LoadError
-from proposers import DraftConfig, DraftModelProposer, EagleProposer, MedusaProposer
+from proposers import (DraftConfig, DraftModelProposer, EagleProposer, MedusaProposer,
+                       projection_bytes)
 from spec import GenConfig, generate_ar, generate_spec
 from test_spec import default_path, tiny_model  # noqa: F401 (default_path is a fixture)
 from tree import static_tree
@@ -59,7 +60,7 @@ def test_greedy_with_random_heads_equals_plain_greedy(kind):
 
 
 def test_int8_drafts_use_the_quantized_weights_and_stay_lossless():
-    """--draft-int8: every Linear of the head and the proposer's projection run torch's int8
+    """--draft-int8: every Linear of an EAGLE or Medusa head and the proposer's projection run torch's int8
     kernel on per-row-quantized weights (float32 here: the kernel takes 16/32-bit inputs);
     greedy output still equals plain decoding."""
     from model import Linear, int8_weights, quantize_int8
@@ -85,10 +86,25 @@ def test_int8_drafts_use_the_quantized_weights_and_stay_lossless():
         pq, ps = proposer.int8
         assert torch.allclose(proposer.logp(feats),
                               torch.log_softmax(feats @ (pq.float() * ps[:, None]).T, -1), atol=1e-4)
+        assert proposer.proj is None and proposer.packed is None, "no 16-bit rows kept"
+        R, C = pq.shape
+        assert projection_bytes(proposer) == R * C + R * ps.element_size()
+        medusa = random_medusa(target, 3, seed).float()
+        assert quantize_int8(medusa) > 0
+        assert all(b.int8 is not None for b in medusa.blocks)
+        drafter = MedusaProposer(target, medusa, static_tree(PATHS), int8=True)
+        mq, ms = drafter.int8
+        h = torch.randn(target.config.hidden_size)
+        blocks = torch.stack([h + torch.nn.functional.silu(
+            h @ (b.int8[0].float() * b.int8[1][:, None]).T + b.bias) for b in medusa.blocks])
+        assert torch.allclose(medusa.logits(h, drafter.proj, drafter.packed, drafter.int8),
+                              blocks @ (mq.float() * ms[:, None]).T, atol=1e-3), \
+            "Medusa drafts through the int8 blocks and projection"
         for prompt in ([1, 2, 3], [11, 5, 9, 30, 2, 8]):
-            spec = generate_spec(target, proposer, prompt, gen)
-            assert spec.token_ids == generate_ar(target, prompt, gen).token_ids
-            accepted += sum(spec.accepted)
+            for p in (proposer, drafter):
+                spec = generate_spec(target, p, prompt, gen)
+                assert spec.token_ids == generate_ar(target, prompt, gen).token_ids
+                accepted += sum(spec.accepted)
     assert accepted > 0, "some int8 drafts were accepted, so accepted paths were checked too"
 
 

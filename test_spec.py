@@ -139,6 +139,18 @@ def test_prepacked_weights_give_the_same_logits():
     assert torch.allclose(got, ref, atol=0.02 * float(ref.abs().max())), (got - ref).abs().max()
 
 
+def test_forward_costs_time_the_sizes_in_turns():
+    """A burst of load on a shared machine must slow one round of every size, not every repeat
+    of one size: the sizes take turns, one forward each, after one prefill."""
+    import spec
+    model, fed = tiny_model(), []
+    forward = model.forward
+    model.forward = lambda ids, *a, **k: (fed.append(ids.shape[1]), forward(ids, *a, **k))[1]
+    costs = spec.forward_costs(model, (1, 2, 3), prefix=16, repeats=2)
+    assert fed == [16, 1, 2, 3, 1, 2, 3] and sorted(costs) == [1, 2, 3]
+    assert all(ms > 0 for ms in costs.values())
+
+
 def test_few_row_kernel_is_measured_once_per_machine_and_obeyed(tmp_path, monkeypatch):
     import argparse
     import model as model_module
@@ -172,8 +184,8 @@ def test_few_row_kernel_is_measured_once_per_machine_and_obeyed(tmp_path, monkey
         calls.append(m.aten_rows), fake[m.aten_rows])[1])
     args = argparse.Namespace(device="cpu", dtype="bfloat16", model="random:tiny",
                               cache_dir=str(tmp_path))
-    assert spec.choose_aten_rows(args, model) == 1 and sorted(calls) == [0, 2]
-    assert spec.choose_aten_rows(args, model) == 1 and len(calls) == 2
+    assert spec.choose_aten_rows(args, model) == 1 and calls == [0, 2] * 9, "kernels in turns"
+    assert spec.choose_aten_rows(args, model) == 1 and len(calls) == 18, "read from the cache"
     assert os.path.isfile(tmp_path / "verify-costs.json")
     assert spec.choose_aten_rows(args, tiny_model()) == 2       # float64: no choice to make
 
