@@ -352,7 +352,8 @@ class MedusaProposer:
         """int8: draft through an int8 copy of the projection (see model.quantize_int8; the
         heads' own blocks are quantized by the caller)."""
         self.head, self.static = head, static
-        self.proj, self.packed, self.int8 = draft_projection(target, head.vocab_ids, int8)
+        self.proj, self.packed, self.int8 = (draft_projection(target, head.vocab_ids, int8)
+                                             if head.proj is None else (None, None, None))
         self.vocab_ids = head.vocab_ids.cpu()
         self.max_nodes = static.parents.shape[0]
         self.taps = ()                                # the final feature only
