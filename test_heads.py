@@ -863,3 +863,21 @@ def test_grow_tree_stops_when_told_and_per_step_sizes_stay_lossless():
             out = generate_spec(target, proposer, prompt, gen)
             assert out.token_ids == generate_ar(target, prompt, gen).token_ids
             assert min(out.drafted) == 0 < max(out.drafted), f"seed {seed}: {out.drafted}"
+
+
+def test_wise_interpolates_every_weight_between_the_init_and_the_trained_head(tmp_path):
+    """train_heads --wise ALPHA: each float weight becomes ALPHA x trained + (1 - ALPHA) x the
+    --init head's; the draft vocabulary (integer ids) is left alone; bad ALPHA is refused."""
+    import train_heads as th
+    target = tiny_model(0)
+    start, trained = random_eagle(target, 1, vocab=40), random_eagle(target, 2, vocab=40)
+    before = {k: v.clone() for k, v in trained.state_dict().items()}
+    th.interpolate(trained, start, 0.25)
+    ends = start.state_dict()
+    for name, w in trained.state_dict().items():
+        want = (0.25 * before[name] + 0.75 * ends[name]) if w.is_floating_point() else before[name]
+        assert torch.allclose(w, want, atol=1e-12), name
+    assert torch.equal(trained.vocab_ids, before["vocab_ids"])
+    for bad in (["--wise", "0.5"], ["--wise", "1.5", "--init", str(tmp_path)]):
+        with pytest.raises(ValueError, match="--wise"):
+            th.main(["--method", "eagle", "--data", "x.jsonl", "--out", str(tmp_path)] + bad)

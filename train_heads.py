@@ -646,6 +646,11 @@ def parse_args(argv=None):
                         "instead of a fresh one, e.g. to train a shipped head on more data; its "
                         "shape and draft vocabulary are kept (--draft-vocab, --heads and "
                         "--own-projection then do not apply)")
+    p.add_argument("--wise", type=float, default=1.0, metavar="ALPHA",
+                   help="EAGLE, Medusa with --init: keep ALPHA of the way from the --init head "
+                        "to the newly trained one, weight by weight (WiSE-FT; 1: the trained "
+                        "head as is). Applied after training, before the measurements; a rerun "
+                        "of a finished run applies it to the checkpoint's head")
     p.add_argument("--head-layers", type=int, default=0, metavar="N",
                    help="EAGLE: decoder layers in the head (default 1, or the --init head's "
                         "own). With --init, a head with fewer layers grows to N, its new layers "
@@ -699,6 +704,9 @@ def main(argv=None):
                          "--method " + args.method)
     if args.taps and args.method != "eagle":
         raise ValueError("--taps feeds an EAGLE head; it does not apply to --method " + args.method)
+    if not 0 <= args.wise <= 1 or (args.wise < 1 and not args.init):
+        raise ValueError(f"--wise {args.wise}: a weight in [0, 1] between an --init head and "
+                         "the one trained from it; it needs --init")
     if args.init and not args.taps and args.method == "eagle":           # the head's own taps
         args.taps = tuple((read_json(os.path.join(args.init, "config.json")) or {}).get("taps", ()))
     model_path = args.model or default_model_path(args.cache_dir)
@@ -766,6 +774,8 @@ def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) 
         def loss_fn(seqs):
             return medusa_loss(head, proj, make_batch(seqs), tc.soft_labels)
     record = train(head, loss_fn, train_seqs, tc, args.out)
+    if args.init and args.wise < 1:
+        interpolate(head, init_head(args, target)[0], args.wise)
     head.eval()
     depth = max(tc.steps, 6) if args.method == "eagle" else args.heads
     config.accuracy = [[round(a, 4) for a in row]
@@ -793,6 +803,17 @@ def new_head(args, target, train_seqs: list, stop_ids) -> tuple:
         with torch.no_grad():
             head.proj.copy_(projection(target, vocab).expand_as(head.proj))  # start as the target's
     return head, config
+
+
+def interpolate(head, start, alpha: float) -> None:
+    """head <- alpha x head + (1 - alpha) x start, weight by weight (WiSE-FT, Wortsman et al.
+    2022). Why: training a head further on one kind of text gains there and forgets elsewhere;
+    part of the way back keeps most of the gain (measured: the sixth EAGLE run, see README)."""
+    theirs = start.state_dict()
+    with torch.no_grad():
+        for name, w in head.state_dict().items():
+            if w.is_floating_point():
+                w.lerp_(theirs[name].to(w), 1 - alpha)
 
 
 def init_head(args, target) -> tuple:
@@ -860,10 +881,17 @@ def read_json(path: str):
 
 
 def git_commit() -> str:
+    """HEAD's hash, with "-dirty" when tracked files differ from it (the code that ran is then
+    not exactly that commit's)."""
     import subprocess
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def run(*cmd):
+        return subprocess.run(["git", *cmd], capture_output=True, text=True, cwd=here).stdout.strip()
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        head = run("rev-parse", "HEAD")
+        return head + ("-dirty" if head and run("status", "--porcelain", "--untracked-files=no")
+                       else "")
     except OSError:
         return ""
 
