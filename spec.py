@@ -467,8 +467,9 @@ def forward_costs(model, sizes, batch: int = 1, prefix: int = 128, repeats: int 
     """{k: median ms} of one forward over k new tokens per row (batch rows) after a prefix.
 
     The sizes take turns, one forward each per round: a burst of load on this shared machine
-    then slows one round of every size, not all repeats of one (a one-off 2-token median of
-    28 ms against 22 measured again, which `--tree-size auto` kept in its cache)."""
+    then slows one round of every size, not all repeats of one (timed size after size, one
+    such burst made every size ~50% slow and flipped the few-row kernel choice, which the
+    cache then kept)."""
     import statistics
     device = model.embed.weight.device
     cache = model.new_cache(batch, prefix + max(sizes))

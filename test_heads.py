@@ -60,9 +60,9 @@ def test_greedy_with_random_heads_equals_plain_greedy(kind):
 
 
 def test_int8_drafts_use_the_quantized_weights_and_stay_lossless():
-    """--draft-int8: every Linear of an EAGLE or Medusa head and the proposer's projection run torch's int8
-    kernel on per-row-quantized weights (float32 here: the kernel takes 16/32-bit inputs);
-    greedy output still equals plain decoding."""
+    """--draft-int8: every Linear of an EAGLE or Medusa head and the proposer's projection run
+    torch's int8 kernel on per-row-quantized weights (float32 here: the kernel takes 16/32-bit
+    inputs); greedy output still equals plain decoding."""
     from model import Linear, int8_weights, quantize_int8
     w = torch.randn(48, 32)
     q, scales = int8_weights(w)
