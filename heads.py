@@ -182,18 +182,23 @@ def write_json(path: str, obj, indent: int | None = 1) -> None:
     os.replace(path + ".tmp", path)
 
 
-def load_head(folder: str, target, kind: str) -> tuple:
-    """-> (head in the target's dtype and device, HeadConfig); clear errors for a bad folder."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def read_head_config(folder: str) -> HeadConfig:
+    """A head folder's config.json; clear errors for a folder that is not one."""
     for name in ("config.json", "model.safetensors"):
         if not os.path.isfile(f"{folder}/{name}"):
             raise LoadError(f"{folder}: no {name}; is this a folder written by train_heads.py?")
     with open(f"{folder}/config.json") as f:
         try:
-            config = HeadConfig(**json.load(f))
+            return HeadConfig(**json.load(f))
         except (json.JSONDecodeError, TypeError) as e:
             raise LoadError(f"{folder}/config.json: not a head config ({e})") from None
+
+
+def load_head(folder: str, target, kind: str) -> tuple:
+    """-> (head in the target's dtype and device, HeadConfig); clear errors for a bad folder."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    config = read_head_config(folder)
     if config.kind != kind:
         raise LoadError(f"{folder}: holds a {config.kind} head, not {kind}")
     config.check(target.config, folder)

@@ -254,6 +254,31 @@ def share_embeddings(draft, target):
     return draft
 
 
+HEAD_KIND = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle", "eagle2+ngram": "eagle"}
+
+
+def head_folder(heads: list, kind: str) -> str:
+    """The --head folder that holds a head of this kind, else the one shipped in weights/."""
+    from heads import read_head_config
+    chosen = [f for f in heads if read_head_config(f).kind == kind]
+    if len(chosen) > 1:
+        raise ValueError(f"--head: {' and '.join(chosen)} all hold {kind} heads; give one")
+    return chosen[0] if chosen else os.path.join(WEIGHTS, f"smollm2-135m-{kind}")
+
+
+def check_heads(heads: list, methods: list) -> None:
+    """Each --head folder must be read by one of the methods: a head given for nothing is a
+    mistake (a typo in --methods, or the wrong folder), not something to ignore."""
+    from heads import read_head_config
+    kinds = {HEAD_KIND[m] for m in methods if m in HEAD_KIND}
+    for folder in heads:
+        kind = read_head_config(folder).kind
+        if kind not in kinds:
+            users = ", ".join(m for m, k in HEAD_KIND.items() if k == kind)
+            raise ValueError(f"--head {folder} holds {kind} heads, which only {users} draft "
+                             f"with, and no such method was chosen ({', '.join(methods)})")
+
+
 def head_proposer(args, target, slots, tokenizer, extra: int = 0):
     """Medusa / EAGLE / EAGLE-2 from a trained head folder (default: the shipped weights).
     extra: tokens verified beside the head's tree each step (a lookup chain), for auto's costs."""
@@ -261,8 +286,8 @@ def head_proposer(args, target, slots, tokenizer, extra: int = 0):
     from model import compiled, prepack, quantize_int8
     from proposers import DraftConfig, EagleProposer, MedusaProposer, projection_bytes
     from tree import static_tree
-    kind = "medusa" if args.method == "medusa" else "eagle"
-    folder = args.head or os.path.join(WEIGHTS, f"smollm2-135m-{kind}")
+    kind = HEAD_KIND[args.method]
+    folder = head_folder(args.head, kind)
     head, config = load_head(folder, target, kind)
     int8 = args.draft_int8
     added = quantize_int8(head) if int8 else prepack(head)              # bytes it added
@@ -560,8 +585,11 @@ def parse_args(argv=None):
     p.add_argument("--draft-layers", type=int, default=0,
                    help="draft with the target's own first N layers instead (no training, "
                         "no extra weights; 0: off)")
-    p.add_argument("--head", help="trained head folder for medusa, eagle and eagle2 (default: "
-                                  "the weights shipped in weights/ for the default model)")
+    p.add_argument("--head", action="append", default=[], metavar="DIR",
+                   help="trained head folder (train_heads.py's --out), used by the methods of "
+                        "the kind it holds: EAGLE for eagle, eagle2 and eagle2+ngram, Medusa "
+                        "for medusa; give it twice for both (default: the weights shipped in "
+                        "weights/ for the default model)")
     p.add_argument("--num-speculative-tokens", type=int,
                    help="draft depth: tokens proposed along each path per step (default per "
                         "method: " + ", ".join(f"{m} {d[0]}" for m, d in TREE_DEFAULTS.items()) + ")")
@@ -834,6 +862,7 @@ def verify_curve(args) -> dict:
 def main(argv=None):
     args = parse_args(argv)
     try:
+        check_heads(args.head, args.methods.split(",") if args.bench else [args.method])
         if args.verify_curve:
             print(json.dumps(verify_curve(args)))
             return

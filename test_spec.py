@@ -251,6 +251,23 @@ def test_cli_reports_bad_model_path_without_traceback(capsys):
     assert "error: model folder not found: /nonexistent/folder" in capsys.readouterr().err
 
 
+def test_head_folders_go_to_the_methods_of_their_kind(capsys):
+    # --head is routed by the kind of head a folder holds, so one bench can take an EAGLE and a
+    # Medusa folder together; a folder no chosen method reads is refused before any loading
+    from spec import WEIGHTS, head_folder, main
+    eagle, medusa = f"{WEIGHTS}/smollm2-135m-eagle", f"{WEIGHTS}/smollm2-135m-medusa"
+    assert head_folder([medusa, eagle], "eagle") == eagle
+    assert head_folder([medusa, eagle], "medusa") == medusa
+    assert head_folder([eagle], "medusa") == medusa            # not given: the shipped one
+    with pytest.raises(ValueError, match="all hold eagle heads"):
+        head_folder([eagle, eagle], "eagle")
+    with pytest.raises(SystemExit) as e:
+        main(["--method", "medusa", "--head", eagle, "--max-new-tokens", "2"])
+    assert e.value.code == 2
+    assert "holds eagle heads, which only eagle, eagle2, eagle2+ngram draft with" in \
+        capsys.readouterr().err
+
+
 def test_interrupted_conversion_leaves_no_half_cache(tmp_path, monkeypatch):
     import default_model
 
