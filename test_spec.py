@@ -190,6 +190,22 @@ def test_few_row_kernel_is_measured_once_per_machine_and_obeyed(tmp_path, monkey
     assert spec.choose_aten_rows(args, tiny_model()) == 2       # float64: no choice to make
 
 
+def test_measure_again_forgets_only_this_setups_timings(tmp_path, monkeypatch, capsys):
+    import spec
+    flags = ["--model", "random:tiny", "--cache-dir", str(tmp_path), "--verify-curve"]
+    args, other = spec.parse_args(flags), spec.parse_args(flags + ["--dtype", "float32"])
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert spec.measured_once(args, "t", lambda: 1) == 1
+    assert spec.measured_once(other, "t", lambda: 2) == 2
+    assert spec.measured_once(args, "t", lambda: 3) == 1, "cached"
+    assert "busy" not in capsys.readouterr().err
+    spec.forget_costs(args)
+    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0))     # others use the cores
+    assert spec.measured_once(args, "t", lambda: 4) == 4, "measured again"
+    assert spec.measured_once(other, "t", lambda: 5) == 2, "another dtype's timings are kept"
+    assert "looks busy (load 9.0" in capsys.readouterr().err
+
+
 def test_keeping_a_subset_of_slots_equals_appending_only_those():
     model = tiny_model()
     prefix, new = [1, 2, 3], [10, 11, 12, 13, 14]
