@@ -468,10 +468,9 @@ def read_costs(args) -> tuple:
 
 
 def write_costs(path: str, table: dict) -> None:
+    from heads import write_json                    # atomic: a .tmp file, then renamed
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(table, f, indent=1)
-    os.replace(path + ".tmp", path)
+    write_json(path, table)
 
 
 def forget_costs(args) -> None:
