@@ -436,7 +436,8 @@ def measured_once(args, what: str, measure):
     path, table = read_costs(args)
     if key not in table:
         print(f"measuring {what} on this machine (once; cached)", file=sys.stderr)
-        load, cores = os.getloadavg()[0], os.cpu_count() or 1
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0     # Unix only
+        cores = os.cpu_count() or 1
         if load > cores:        # other work competing for the cores skews what gets cached
             print(f"warning: this machine looks busy (load {load:.1f} on {cores} cores); the "
                   f"timings measured now are kept and decide kernels and tree sizes: rerun with "

@@ -887,7 +887,8 @@ def git_commit() -> str:
     here = os.path.dirname(os.path.abspath(__file__))
 
     def run(*cmd):
-        return subprocess.run(["git", *cmd], capture_output=True, text=True, cwd=here).stdout.strip()
+        done = subprocess.run(["git", *cmd], capture_output=True, text=True, cwd=here)
+        return done.stdout.strip()
     try:
         head = run("rev-parse", "HEAD")
         return head + ("-dirty" if head and run("status", "--porcelain", "--untracked-files=no")
