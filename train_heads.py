@@ -347,9 +347,10 @@ def teacher(target_feats, proj, soft: bool = False) -> torch.Tensor:
     the target's greedy token in the draft vocab (n,), or with soft its distribution over the
     draft vocab (n, R), renormalized there (the issue's soft cross-entropy).
 
-    Hard labels are the default: at temperature 0 acceptance only asks the head to rank the
-    target's argmax first, and measured here the soft targets made training 2x slower (a softmax
-    over (n, R) at every unrolled step)."""
+    Hard labels are the default: at temperature 0 a node is accepted when it is the target's
+    argmax, so a head trained on argmax labels estimates its own acceptance probability (what
+    EAGLE-2's tree and size rule read). Measured on the default model, the same data and steps:
+    soft targets took 1.1x the time a step and MT-bench tau 2.25 against 2.31 (README)."""
     logits = target_feats @ proj.T                                     # (n, R)
     return logits.float().softmax(-1) if soft else logits.argmax(-1)
 
@@ -675,7 +676,8 @@ def parse_args(argv=None):
                    help="EAGLE: weight of the feature regression loss")
     p.add_argument("--soft-labels", action="store_true",
                    help="EAGLE, Medusa: learn the target's whole distribution (soft cross-entropy) "
-                        "instead of its greedy token; about 2x slower per step")
+                        "instead of its greedy token (EAGLE, measured: 1.1x the time a step, no gain at "
+                        "temperature 0)")
     p.add_argument("--seed", type=int, default=d.seed, help="shuffling and initialization seed")
     return p.parse_args(argv)
 
