@@ -168,7 +168,13 @@ def acceptance_by_position(result: Result, depth: int) -> list:
 # ---------------------------------------------------------------- command line
 
 def pick_device(name: str | None) -> str:
+    """The device named, checked to exist here (ValueError), or the best available."""
     if name:
+        try:
+            torch.empty(0, device=name)
+        except (RuntimeError, AssertionError) as e:       # unknown name, or no such backend
+            raise ValueError(f"--device {name} is not available here "
+                             f"({str(e).splitlines()[0]})") from None
         return name
     if torch.cuda.is_available():
         return "cuda"
@@ -684,7 +690,18 @@ def parse_args(argv=None):
                 "tokenizer and nothing worth decoding")
     if args.peers and not args.bench:
         p.error("--peers only with --bench")
-    args.device = pick_device(args.device)
+    for flag, value, least in (("--num-speculative-tokens", args.num_speculative_tokens, 1),
+                               ("--draft-top-k", args.draft_top_k, 1),
+                               ("--ngram-max", args.ngram_max, 1),
+                               ("--lookup-depth", args.lookup_depth, 0),
+                               ("--limit", args.limit, 0),
+                               ("--per-category", args.per_category, 0)):
+        if value is not None and value < least:  # checked before minutes of loading, not after
+            p.error(f"{flag} must be at least {least}, got {value}")
+    try:
+        args.device = pick_device(args.device)
+    except ValueError as e:
+        p.error(str(e))
     return with_tree_defaults(args, args.method)
 
 
@@ -829,6 +846,8 @@ def read_prompts(path: str | None, limit: int) -> list:
 
 def jsonl_rows(path: str):
     """(line number, object) for each non-empty line; a line that is not JSON names its number."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"JSONL file not found: {path}")
     with open(path) as f:
         for number, line in enumerate(f, 1):
             if line.strip():

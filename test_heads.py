@@ -542,6 +542,20 @@ def test_training_data_reads_both_formats_and_names_bad_lines(tmp_path):
     f.write_text('{"prompt": "hi"}\n\n{broken\n')
     with pytest.raises(ValueError, match=r"d.jsonl:3: not JSON"):
         th.read_conversations(str(f))
+    with pytest.raises(FileNotFoundError, match=r"JSONL file not found: .*missing.jsonl"):
+        th.read_conversations(str(tmp_path / "missing.jsonl"))
+
+
+def test_training_flags_out_of_range_fail_before_any_loading(capsys):
+    import train_heads as th
+    base = ["--method", "eagle", "--data", "d.jsonl", "--out", "o"]
+    with pytest.raises(SystemExit):
+        th.parse_args(base + ["--epochs", "0"])         # used to run one step regardless
+    assert "--epochs must be > 0, got 0.0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        th.parse_args(base + ["--held-out", "-1"])
+    assert "--held-out must be >= 0, got -1" in capsys.readouterr().err
+    assert th.parse_args(base + ["--minutes", "0"]).minutes == 0     # 0: no limit, allowed
 
 
 def test_draft_over_a_reduced_vocabulary_drafts_its_best_token_and_stays_lossless(tmp_path):

@@ -267,6 +267,21 @@ def test_cli_reports_bad_model_path_without_traceback(capsys):
     assert "error: model folder not found: /nonexistent/folder" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--device", "nosuchdevice"], "--device nosuchdevice is not available here"),
+    (["--num-speculative-tokens", "0"], "--num-speculative-tokens must be at least 1, got 0"),
+    (["--draft-top-k", "-1"], "--draft-top-k must be at least 1, got -1"),
+    (["--limit", "-2"], "--limit must be at least 0, got -2")])
+def test_cli_rejects_bad_flags_before_loading_anything(flags, message, capsys):
+    # an unusable device or out-of-range number is named at once, not minutes later as a
+    # traceback from inside torch (a missing CUDA used to surface from torch.cuda's init)
+    from spec import parse_args
+    with pytest.raises(SystemExit) as e:
+        parse_args(flags)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_head_folders_go_to_the_methods_of_their_kind(capsys):
     # --head is routed by the kind of head a folder holds, so one bench can take an EAGLE and a
     # Medusa folder together; a folder no chosen method reads is refused before any loading

@@ -679,7 +679,23 @@ def parse_args(argv=None):
                         "instead of its greedy token (EAGLE, measured: 1.1x the time a step, no gain at "
                         "temperature 0)")
     p.add_argument("--seed", type=int, default=d.seed, help="shuffling and initialization seed")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_ranges(p, args)
+    return args
+
+
+def check_ranges(p, args) -> None:
+    """Out-of-range numbers are named before any loading, not after minutes of extraction
+    (or silently: --epochs 0 used to run a step)."""
+    positive = ("epochs", "lr", "batch", "max_new_tokens", "max_prompt_tokens", "draft_vocab",
+                "heads", "layers", "tokens_per_batch", "steps")
+    at_least_0 = ("minutes", "limit", "derive", "head_layers", "held_out", "tau_prompts",
+                  "feature_weight")
+    for name in positive + at_least_0:
+        value = getattr(args, name)
+        if value < 0 or (value == 0 and name in positive):
+            flag = "--" + name.replace("_", "-")
+            p.error(f"{flag} must be {'> 0' if name in positive else '>= 0'}, got {value}")
 
 
 def default_features_dir(args) -> str:
