@@ -167,7 +167,7 @@ def save_head(head: nn.Module, config: HeadConfig, folder: str, info: dict | Non
     """model.safetensors (16-bit) + config.json (+ training.json); written atomically."""
     from safetensors.torch import save_file
     os.makedirs(folder, exist_ok=True)
-    tensors = {k: (v.bfloat16() if v.is_floating_point() else v).contiguous()
+    tensors = {k: (v.bfloat16() if v.is_floating_point() else v).contiguous().cpu()
                for k, v in head.state_dict().items()}
     save_file(tensors, f"{folder}/model.safetensors.tmp")
     os.replace(f"{folder}/model.safetensors.tmp", f"{folder}/model.safetensors")
@@ -319,7 +319,7 @@ def save_draft(draft, target_folder: str, out: str, info: dict | None = None,
     from safetensors.torch import save_file
     from model import to_hf_names
     c = draft.config
-    tensors = to_hf_names({k: v.detach() for k, v in draft.state_dict().items()}, c)
+    tensors = to_hf_names({k: v.detach().cpu() for k, v in draft.state_dict().items()}, c)
     if not embeddings:
         tensors = {k: v for k, v in tensors.items()
                    if k not in ("model.embed_tokens.weight", "lm_head.weight")}

@@ -214,6 +214,41 @@ def test_batched_greedy_equals_plain_greedy_per_prompt():
         assert torch.allclose(hidden, full, atol=1e-9), "features must equal a full forward's"
 
 
+def test_training_code_makes_its_tensors_on_the_targets_device(tmp_path):
+    # No GPU here, so the default device "meta" stands in for one: a tensor made without naming
+    # its device lands there, and the first operation that mixes it with the (CPU) target's
+    # fails, as a CPU tensor would beside CUDA ones. Every number must equal the plain run's.
+    import train_heads as th
+    from heads import build_head, init_draft, projection
+    torch.manual_seed(0)
+    target = tiny_model(3).float().requires_grad_(False)
+    prompts = [[1, 2, 3], [7], [11, 5, 9, 30, 2, 8], [4, 4]]
+    rows = [(f"q{i} {'ab' * (i % 5)}", None) for i in range(12)]
+    th.extract_features(target, TinyTokenizer(), rows, str(tmp_path / "f"), 4, 8, 64)
+    seqs = th.load_features(str(tmp_path / "f"))[:4]
+    vocab, c = th.draft_vocabulary(seqs, 40, (0,)), target.config
+    heads = {kind: build_head(HeadConfig(kind, c.hidden_size, c.vocab_size, len(vocab), 3,
+                                         eagle_layer_config(c) if kind == "eagle" else {}), vocab)
+             for kind in ("eagle", "medusa")}
+    proj, draft = projection(target, vocab), init_draft(target, 1)
+
+    def everything():
+        answers = th.batched_greedy(target, prompts, 6, (0,))
+        forced = th.teacher_forced(target, [tokens for tokens, _ in answers])
+        b = th.make_batch(seqs).to("cpu")
+        losses = [th.eagle_loss(heads["eagle"], target.embed, proj, b, 3, 0.1)[0],
+                  th.medusa_loss(heads["medusa"], proj, b)[0], th.draft_loss(draft, seqs)[0]]
+        sum(losses).backward()
+        accuracy = [th.accuracy_table(target, h, kind, seqs, 3, 4) for kind, h in heads.items()]
+        return answers, forced, [float(x) for x in losses], accuracy
+    plain = everything()
+    with torch.device("meta"):
+        elsewhere = everything()
+    assert [t for t, _ in plain[0]] == [t for t, _ in elsewhere[0]]
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], elsewhere[1]))
+    assert plain[2:] == elsewhere[2:]
+
+
 def test_training_smoke_loss_falls_and_saved_head_decodes_the_same(tmp_path):
     import train_heads as th
     from heads import build_head, projection

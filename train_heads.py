@@ -126,11 +126,12 @@ def derive_prompts(rows: list, n: int, seed: int) -> list:
 def teacher_forced(target: Llama, seqs: list, taps=()) -> list:
     """Run full sequences (right-padded: causal attention never looks right) -> hidden (L_i, C),
     or (L_i, (k + 1) C) with the k tapped layers' outputs first (Llama.forward's taps)."""
-    L = max(len(s) for s in seqs)
-    ids = torch.tensor([s + [0] * (L - len(s)) for s in seqs])            # (B, L)
+    L, device = max(len(s) for s in seqs), target.embed.weight.device
+    ids = torch.tensor([s + [0] * (L - len(s)) for s in seqs], device=device)   # (B, L)
     cache = target.new_cache(len(seqs), L)
-    _, hidden = target(ids, torch.arange(L)[None], cache, last_only=True, taps=taps)
-    return [hidden[b, :len(s)].clone() for b, s in enumerate(seqs)]
+    _, hidden = target(ids, torch.arange(L, device=device)[None], cache, last_only=True,
+                       taps=taps)
+    return [hidden[b, :len(s)].cpu() for b, s in enumerate(seqs)]
 
 
 @torch.inference_mode()
@@ -140,37 +141,41 @@ def batched_greedy(target: Llama, prompts: list, max_new: int, stop_ids) -> list
     Prompts are left-padded; each row masks its padding and counts positions from its first real
     token, so every row decodes exactly as it would alone. Rows that finished leave the batch."""
     B, P = len(prompts), max(len(p) for p in prompts)
-    pad = torch.tensor([P - len(p) for p in prompts])                      # (B,)
-    ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts])          # (B, P)
+    device = target.embed.weight.device
+    pad = torch.tensor([P - len(p) for p in prompts], device=device)       # (B,)
+    ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts], device=device)   # (B, P)
     cache = target.new_cache(B, P + max_new)
-    valid = torch.arange(P + max_new)[None] >= pad[:, None]                # (B, S) real slots
-    causal = torch.ones(P, P, dtype=torch.bool).tril()
+    valid = torch.arange(P + max_new, device=device)[None] >= pad[:, None]   # (B, S) real slots
+    causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
     # padding sees itself only: a query row that sees nothing would give NaN, and 0 * NaN
     # in a later attention product is still NaN
-    mask = ((causal[None] & valid[:, None, :P]) | torch.eye(P, dtype=torch.bool))[:, None]
-    pos = (torch.arange(P)[None] - pad[:, None]).clamp(min=0)              # (B, P)
+    mask = (causal[None] & valid[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=device)
+    mask = mask[:, None]                                                   # (B, 1, P, P)
+    pos = (torch.arange(P, device=device)[None] - pad[:, None]).clamp(min=0)   # (B, P)
     logits, hidden = target(ids, pos, cache, mask, last_only=True)
     tokens = [list(p) for p in prompts]
     feats = [[hidden[b, P - len(p):]] for b, p in enumerate(prompts)]
-    alive = torch.arange(B)                                                # rows still writing
+    alive = list(range(B))                                                 # rows still writing
     for step in range(max_new):
         nxt = logits[:, -1].argmax(-1)                                     # (b,)
-        for b, t in zip(alive.tolist(), nxt.tolist()):
+        chosen = nxt.tolist()                          # the one host sync a step: stop or not
+        for b, t in zip(alive, chosen):
             tokens[b].append(t)
-        going = torch.tensor([t not in stop_ids for t in nxt.tolist()])
-        if step == max_new - 1 or not going.any():
+        keep = [i for i, t in enumerate(chosen) if t not in stop_ids]
+        if step == max_new - 1 or not keep:
             break
-        if not going.all():                                                # drop finished rows
-            keep = going.nonzero().squeeze(1)
-            alive, nxt, pad, valid = alive[keep], nxt[keep], pad[keep], valid[keep]
-            cache = KVCache(cache.k[:, keep], cache.v[:, keep], cache.length)
+        if len(keep) < len(alive):                                         # drop finished rows
+            alive = [alive[i] for i in keep]
+            rows = torch.tensor(keep, device=device)
+            nxt, pad, valid = nxt[rows], pad[rows], valid[rows]
+            cache = KVCache(cache.k[:, rows], cache.v[:, rows], cache.length)
         start = cache.length
         mask = valid[:, None, None, :start + 1]                            # (b, 1, 1, start + 1)
         pos = (start - pad)[:, None]                                       # (b, 1)
         logits, hidden = target(nxt[:, None], pos, cache, mask)
-        for i, b in enumerate(alive.tolist()):
+        for i, b in enumerate(alive):
             feats[b].append(hidden[i])
-    return [(tokens[b], torch.cat(feats[b])) for b in range(B)]
+    return [(tokens[b], torch.cat(feats[b]).cpu()) for b in range(B)]
 
 
 def save_shard(path: str, tokens: list, hidden: list, prompt_lens: list) -> None:
@@ -311,13 +316,20 @@ class Batch:
     target: torch.Tensor     # (B, L, C) target feature at i + 1, what entry i predicts
     loss_mask: torch.Tensor  # (B, L) bool: i + 1 has a feature and token i + 2 is an answer token
 
+    def to(self, device) -> "Batch":
+        return Batch(*(t.to(device) for t in (self.feats, self.next_tok, self.target,
+                                               self.loss_mask)))
+
 
 def make_batch(seqs: list) -> Batch:
+    """Padded to the longest sequence, built where the shards were read (the CPU); a trainer
+    on another device moves it there (Batch.to)."""
     L = max(len(s.hidden) for s in seqs)
     C = seqs[0].hidden.shape[1]
     W = C if seqs[0].tapped is None else C + seqs[0].tapped.shape[1]   # + the tapped layers
-    b = Batch(torch.zeros(len(seqs), L, W), torch.zeros(len(seqs), L, dtype=torch.long),
-              torch.zeros(len(seqs), L, C), torch.zeros(len(seqs), L, dtype=torch.bool))
+    B, at = len(seqs), {"device": seqs[0].hidden.device}
+    b = Batch(torch.zeros(B, L, W, **at), torch.zeros(B, L, dtype=torch.long, **at),
+              torch.zeros(B, L, C, **at), torch.zeros(B, L, dtype=torch.bool, **at))
     for r, s in enumerate(seqs):
         n = len(s.hidden)
         b.feats[r, :n] = s.features().float()
@@ -355,14 +367,14 @@ def teacher(target_feats, proj, soft: bool = False) -> torch.Tensor:
     return logits.float().softmax(-1) if soft else logits.argmax(-1)
 
 
-def ttt_mask(L: int, j: int) -> torch.Tensor:
+def ttt_mask(L: int, j: int, device="cpu") -> torch.Tensor:
     """(L, (j + 1) L) bool for unrolled step j (EAGLE-3's training-time test).
 
     Entry i at step j drafts depth j + 1 from the root at i - j: it sees the true entries up to
     i - j and, at each step m = 1..j, the entry of its own path at i - j + m (the one it extends),
     exactly what a tree node sees in the head's cache at inference."""
-    i = torch.arange(L)[:, None]
-    s = torch.arange(L)[None, :]
+    i = torch.arange(L, device=device)[:, None]
+    s = torch.arange(L, device=device)[None, :]
     parts = [s <= i - j] + [s == i - j + m for m in range(1, j + 1)]
     return torch.cat(parts, dim=1)
 
@@ -371,14 +383,14 @@ def eagle_unroll(head, embed, b: Batch, steps: int) -> list:
     """The head's outputs (B, L, C) at each of `steps` unrolled drafting steps."""
     B, L = b.feats.shape[:2]
     embeds = embed(b.next_tok)                                         # (B, L, C)
-    pos = torch.arange(L)[None].expand(B, L)
+    pos = torch.arange(L, device=b.feats.device)[None].expand(B, L)
     cache, feats, outs = head.new_cache(0, B), head.fuse_features(b.feats), []
     for j in range(steps):
         # fresh tensors, one per layer (lists stand in for the cache's stacked layers): autograd
         # keeps each layer's keys for the backward pass, and a later layer writing into the same
         # tensor would invalidate them
         cache = KVCache([widen(k, L) for k in cache.k], [widen(v, L) for v in cache.v], j * L)
-        outs.append(head(feats, embeds, pos, cache, ttt_mask(L, j)))    # (B, L, C)
+        outs.append(head(feats, embeds, pos, cache, ttt_mask(L, j, pos.device)))  # (B, L, C)
         feats = torch.cat([torch.zeros_like(feats[:, :1]), outs[-1][:, :-1]], dim=1)  # g_{i-1}
     return outs
 
@@ -417,18 +429,18 @@ def medusa_loss(heads, proj, b: Batch, soft: bool = False) -> tuple:
     return total / logits.shape[2], ces
 
 
-def draft_batch(seqs: list) -> tuple:
+def draft_batch(seqs: list, device="cpu") -> tuple:
     """-> tokens (B, L), the target's features there (B, L, C), loss mask (B, L): entry i reads
     token i and predicts token i + 1, an answer token."""
-    L = max(len(s.hidden) for s in seqs)
-    tokens = torch.zeros(len(seqs), L, dtype=torch.long)
-    feats = torch.zeros(len(seqs), L, seqs[0].hidden.shape[1])
-    mask = torch.zeros(len(seqs), L, dtype=torch.bool)
+    L, at = max(len(s.hidden) for s in seqs), {"device": seqs[0].hidden.device}
+    tokens = torch.zeros(len(seqs), L, dtype=torch.long, **at)
+    feats = torch.zeros(len(seqs), L, seqs[0].hidden.shape[1], **at)
+    mask = torch.zeros(len(seqs), L, dtype=torch.bool, **at)
     for r, s in enumerate(seqs):
         n = len(s.hidden)
         tokens[r, :n], feats[r, :n] = s.tokens[:n], s.hidden.float()
         mask[r, s.prompt_len - 1:n] = True
-    return tokens, feats, mask
+    return tokens.to(device), feats.to(device), mask.to(device)
 
 
 def draft_hidden(draft, tokens) -> torch.Tensor:
@@ -439,7 +451,8 @@ def draft_hidden(draft, tokens) -> torch.Tensor:
     from model import rope_cos_sin
     B, L = tokens.shape
     c = draft.config
-    cos, sin = rope_cos_sin(draft.inv_freq, torch.arange(L)[None].expand(B, L), torch.float32)
+    pos = torch.arange(L, device=tokens.device)[None].expand(B, L)
+    cos, sin = rope_cos_sin(draft.inv_freq, pos, torch.float32)
     mask = attention_mask(0, L, None, tokens.device)                           # (L, L) causal
     x = draft.embed(tokens)                                                    # (B, L, C)
     for layer in draft.layers:
@@ -451,7 +464,7 @@ def draft_hidden(draft, tokens) -> torch.Tensor:
 def draft_loss(draft, seqs: list) -> tuple:
     """KL(target || draft) over the full vocabulary at every answer position; -> (loss, [kl,
     top-1 agreement]). The target's distribution is its lm_head over the cached feature."""
-    tokens, feats, mask = draft_batch(seqs)
+    tokens, feats, mask = draft_batch(seqs, draft.lm_head.weight.device)
     hidden = draft_hidden(draft, tokens)                                       # (B, L, C)
     W = draft.lm_head.weight                                                   # (V, C) frozen
     log_q = (hidden[mask] @ W.T).float().log_softmax(-1)                       # (n, V)
@@ -482,6 +495,7 @@ def train(head, loss_fn, seqs: list, tc: TrainConfig, out: str) -> dict:
 
     loss_fn(list of Seq) -> (loss, [numbers to log]); only parameters that require grad learn."""
     g = torch.Generator().manual_seed(tc.seed)
+    device = next(head.parameters()).device
     per_epoch = len(batches(seqs, tc.tokens_per_batch, g))
     total = max(int(per_epoch * tc.epochs), 1)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=tc.lr)
@@ -490,7 +504,7 @@ def train(head, loss_fn, seqs: list, tc: TrainConfig, out: str) -> dict:
     os.makedirs(out, exist_ok=True)
     ckpt = os.path.join(out, "checkpoint.pt")
     if os.path.exists(ckpt):
-        saved = torch.load(ckpt, weights_only=False)
+        saved = torch.load(ckpt, weights_only=False, map_location=device)
         head.load_state_dict(saved["head"]), opt.load_state_dict(saved["opt"])
         state.update(saved["state"])
         print(f"resumed at step {state['step']} of {total}")
@@ -504,7 +518,7 @@ def train(head, loss_fn, seqs: list, tc: TrainConfig, out: str) -> dict:
             group["lr"] = tc.lr * min((state["step"] + 1) / warm, max(0.05, 1 - done))
         epoch, index = divmod(state["step"], per_epoch)
         order = batches(seqs, tc.tokens_per_batch, torch.Generator().manual_seed(tc.seed + epoch))
-        with torch.autocast("cpu", torch.bfloat16, enabled=tc.bf16):
+        with torch.autocast(device.type, torch.bfloat16, enabled=tc.bf16):
             loss, ces = loss_fn([seqs[i] for i in order[index]])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -548,10 +562,10 @@ def measure_tau(target, proposer, seqs: list, max_new: int, stop_ids) -> float:
 def accuracy_table(target, head, kind: str, seqs: list, depth: int, ranks: int = 10) -> list:
     """[depth][rank]: how often the target's greedy token is the head's rank-r candidate at
     that depth, the path so far being right (teacher-forced): what best_paths needs."""
-    hits, count = torch.zeros(depth, ranks), 0
     proj = head_projection(target, head)                                   # (R, C)
+    hits, count = torch.zeros(depth, ranks, device=proj.device), 0
     for i in range(0, len(seqs), 16):
-        b = make_batch(seqs[i:i + 16])
+        b = make_batch(seqs[i:i + 16]).to(proj.device)
         label = target.lm_head(b.target.to(target.lm_head.weight.dtype)).argmax(-1)   # (B, L)
         if kind == "eagle":
             outs = [o.float() @ proj.T for o in eagle_unroll(head, target.embed, b, depth)]
@@ -679,8 +693,15 @@ def parse_args(argv=None):
                         "instead of its greedy token (EAGLE, measured: 1.1x the time a step, no gain at "
                         "temperature 0)")
     p.add_argument("--seed", type=int, default=d.seed, help="shuffling and initialization seed")
+    p.add_argument("--device", help="cpu, cuda, ... for the target, the head and the batches "
+                                    "(default: the best available); the shards stay on disk")
     args = p.parse_args(argv)
     check_ranges(p, args)
+    from spec import pick_device
+    try:
+        args.device = pick_device(args.device)
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
@@ -737,7 +758,7 @@ def main(argv=None):
         rows = derive_prompts(rows, args.derive, args.seed) if args.derive else rows
         rows = templated_prompts(rows, args.template, args.seed) if args.template else rows
         rows = rows[:args.limit] if args.limit else rows
-        target = load_model(model_path, torch.bfloat16)
+        target = load_model(model_path, torch.bfloat16, args.device)
         extract_features(target, tokenizer, rows, features, args.batch, args.max_new_tokens,
                          args.max_prompt_tokens)
         if args.taps:
@@ -749,7 +770,7 @@ def main(argv=None):
 def train_and_save(args, model_path: str, features: str, tokenizer) -> None:
     from model import load_model
     torch.manual_seed(args.seed)
-    target = load_model(model_path, torch.float32).requires_grad_(False)
+    target = load_model(model_path, torch.float32, args.device).requires_grad_(False)
     seqs = [s for folder in features.split(",")            # "~" after a comma: the shell keeps it
             for s in load_features(os.path.expanduser(folder), args.taps)]
     if len(seqs) <= args.held_out:
@@ -781,16 +802,17 @@ def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) 
     head, config = (init_head(args, target) if args.init
                     else new_head(args, target, train_seqs, tokenizer.stop_ids))
     proj = projection(target, head.vocab_ids)                              # (R, C)
+    device = proj.device
     if args.init:                       # what the head had learned before: its own record
         info = info | {"init": {"folder": os.path.abspath(args.init),
                                 "training": read_json(os.path.join(args.init, "training.json"))}}
     if args.method == "eagle":
         def loss_fn(seqs):
-            return eagle_loss(head, target.embed, proj, make_batch(seqs), tc.steps,
+            return eagle_loss(head, target.embed, proj, make_batch(seqs).to(device), tc.steps,
                               tc.feature_weight, tc.soft_labels)
     else:
         def loss_fn(seqs):
-            return medusa_loss(head, proj, make_batch(seqs), tc.soft_labels)
+            return medusa_loss(head, proj, make_batch(seqs).to(device), tc.soft_labels)
     record = train(head, loss_fn, train_seqs, tc, args.out)
     if args.init and args.wise < 1:
         interpolate(head, init_head(args, target)[0], args.wise)
@@ -810,13 +832,13 @@ def new_head(args, target, train_seqs: list, stop_ids) -> tuple:
     EAGLE layer, over the draft vocabulary of these sequences (or of the run being resumed)."""
     from heads import HeadConfig, build_head, eagle_layer_config, projection
     ckpt = os.path.join(args.out, "checkpoint.pt")
-    vocab = (torch.load(ckpt, weights_only=False)["head"]["vocab_ids"] if os.path.exists(ckpt)
+    vocab = (torch.load(ckpt, weights_only=False, map_location="cpu")["head"]["vocab_ids"] if os.path.exists(ckpt)
              else draft_vocabulary(train_seqs, args.draft_vocab, stop_ids))
     c = target.config
     config = HeadConfig(args.method, c.hidden_size, c.vocab_size, len(vocab), args.heads,
                         eagle_layer_config(c, args.head_layers or 1) if args.method == "eagle" else {},
                         own_projection=args.own_projection, taps=list(args.taps))
-    head = build_head(config, vocab)
+    head = build_head(config, vocab).to(target.embed.weight.device)
     if config.own_projection:
         with torch.no_grad():
             head.proj.copy_(projection(target, vocab).expand_as(head.proj))  # start as the target's
