@@ -249,6 +249,23 @@ def test_training_code_makes_its_tensors_on_the_targets_device(tmp_path):
     assert plain[2:] == elsewhere[2:]
 
 
+def test_tau_prompts_0_measures_nothing_rather_than_a_tau_of_0():
+    # --tau-prompts 0 skips the decoding loop (the GPU kit keeps it out of its one call);
+    # training.json must then say nothing was measured, not that tau was 0
+    import train_heads as th
+    from heads import build_head
+    target = tiny_model(3)
+    vocab, c = torch.arange(20), target.config
+    head = build_head(HeadConfig("eagle", c.hidden_size, c.vocab_size, 20, 3,
+                                 eagle_layer_config(c)), vocab).double()
+    held = [th.Seq(torch.tensor([1, 2, 3, 4]), torch.zeros(3, c.hidden_size), 2)]
+    args = SimpleNamespace(tau_prompts=0, method="eagle")
+    assert th.held_out_tau(args, target, head, None, held, TinyTokenizer()) == {}
+    args.tau_prompts = 1
+    assert set(th.held_out_tau(args, target, head, None, held, TinyTokenizer())) == \
+        {"eagle2_d5_k4_16", "chain_5"}
+
+
 def test_training_smoke_loss_falls_and_saved_head_decodes_the_same(tmp_path):
     import train_heads as th
     from heads import build_head, projection

@@ -888,8 +888,11 @@ def train_draft(args, tc, target, model_path, train_seqs, held, tokenizer, info)
     with torch.no_grad():
         agree = [draft_loss(draft, held[i:i + 16])[1][1] for i in range(0, len(held), 16)]
     seqs = held[:args.tau_prompts]
-    tau = {f"chain_{d}": round(measure_tau(target, DraftModelProposer(draft, DraftConfig(d), 512, vocab),
-                                           seqs, 64, tokenizer.stop_ids), 3) for d in (3, 5)}
+
+    def chain_tau(depth: int) -> float:
+        proposer = DraftModelProposer(draft, DraftConfig(depth), 512, vocab)
+        return round(measure_tau(target, proposer, seqs, 64, tokenizer.stop_ids), 3)
+    tau = {f"chain_{d}": chain_tau(d) for d in (3, 5)} if seqs else {}   # {}: not measured
     info = info | record_fields(record) | {"held_out_top1_agreement": round(sum(agree) / len(agree), 4),
                                            "held_out_tau": tau}
     save_draft(draft, model_path, args.out, info, embeddings=not args.without_embeddings,
@@ -898,11 +901,14 @@ def train_draft(args, tc, target, model_path, train_seqs, held, tokenizer, info)
 
 
 def held_out_tau(args, target, head, config, held: list, tokenizer) -> dict:
-    """tau of the real decoding loop (float32 target) on the first held-out prompts."""
+    """tau of the real decoding loop (float32 target) on the first held-out prompts; {} with
+    --tau-prompts 0 (nothing measured, rather than a tau of 0)."""
     from heads import best_paths
     from proposers import DraftConfig, EagleProposer, MedusaProposer
     from tree import static_tree
     seqs = held[:args.tau_prompts]
+    if not seqs:
+        return {}
     if args.method == "medusa":
         proposer = MedusaProposer(target, head, static_tree(best_paths(config.accuracy, 16)))
         return {"medusa_16": round(measure_tau(target, proposer, seqs, 64, tokenizer.stop_ids), 3)}
