@@ -131,7 +131,7 @@ def teacher_forced(target: Llama, seqs: list, taps=()) -> list:
     cache = target.new_cache(len(seqs), L)
     _, hidden = target(ids, torch.arange(L, device=device)[None], cache, last_only=True,
                        taps=taps)
-    return [hidden[b, :len(s)].cpu() for b, s in enumerate(seqs)]
+    return [hidden[b, :len(s)].to("cpu", copy=True) for b, s in enumerate(seqs)]  # own storage
 
 
 @torch.inference_mode()
