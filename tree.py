@@ -137,11 +137,13 @@ def grow_tree(expand, root: int, depth: int, top_k: int, total: int, vocab_ids=N
         if step and keep_growing is not None and not keep_growing(tree.scores[frontier]):
             break
         logp = expand(frontier, tree)                                  # (F, V)
-        top_logp, top_tok = logp.float().topk(top_k, dim=-1)           # (F, k)
+        top_logp, top_tok = (t.cpu() for t in logp.float().topk(top_k, dim=-1))   # (F, k)
+        # the tree is CPU data; a draft on a GPU hands back device tensors, and vocab_ids
+        # (CPU) cannot be indexed by those
         top_tok = top_tok if vocab_ids is None else vocab_ids[top_tok]
-        cand = (tree.scores[frontier, None] + top_logp.cpu()).flatten()   # (F * k,)
+        cand = (tree.scores[frontier, None] + top_logp).flatten()      # (F * k,)
         first = tree.size
-        tree = Tree(torch.cat([tree.tokens, top_tok.flatten().cpu()]),
+        tree = Tree(torch.cat([tree.tokens, top_tok.flatten()]),
                     torch.cat([tree.parents, frontier.repeat_interleave(top_k)]),
                     torch.cat([tree.depths, tree.depths[frontier].repeat_interleave(top_k) + 1]),
                     torch.cat([tree.scores, cand]))
