@@ -21,7 +21,7 @@ import argparse
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from tqdm import tqdm
@@ -317,8 +317,7 @@ class Batch:
     loss_mask: torch.Tensor  # (B, L) bool: i + 1 has a feature and token i + 2 is an answer token
 
     def to(self, device) -> "Batch":
-        return Batch(*(t.to(device) for t in (self.feats, self.next_tok, self.target,
-                                               self.loss_mask)))
+        return Batch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 def make_batch(seqs: list) -> Batch:
