@@ -227,10 +227,13 @@ class PromptLookupProposer:
     No weights and no model: strong where the output copies its input (summaries, retrieval,
     code edits). The chain is deterministic, so sampling verifies it with the tree rule."""
 
-    def __init__(self, depth: int = 4, max_ngram: int = 3):
+    def __init__(self, depth: int = 4, max_ngram: int = 3, by_match: bool = False):
+        """by_match: a match of n tokens drafts depth * n / max_ngram of them, not depth:
+        measured (README), a chain after a 3-token match is accepted far deeper than one after
+        a single matching token, which is more often a coincidence."""
         if depth < 1 or max_ngram < 1:
             raise ValueError(f"prompt lookup needs depth >= 1 and n >= 1, got {depth}, {max_ngram}")
-        self.depth, self.max_ngram = depth, max_ngram
+        self.depth, self.max_ngram, self.by_match = depth, max_ngram, by_match
         self.max_nodes = depth + 1
         self.taps = ()
 
@@ -251,7 +254,8 @@ class PromptLookupProposer:
             hits = (windows == ctx[-n:]).all(1).nonzero()
             if hits.numel():
                 start = int(hits[-1]) + n
-                return ctx[start:start + self.depth]
+                length = self.depth * n // self.max_ngram if self.by_match else self.depth
+                return ctx[start:start + length]
         return ctx[:0]
 
     def commit(self, tree: Tree, accepted: torch.Tensor, hidden=None) -> None:

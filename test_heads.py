@@ -878,7 +878,7 @@ def test_eagle2_plus_lookup_is_lossless_greedy_and_seeded_when_sampling(temperat
     target = tiny_model(2)
     proposer = LookupEagleProposer(EagleProposer(target, random_eagle(target, 2),
                                                  DraftConfig(3, 3, 5), 256),
-                                   PromptLookupProposer(4, 3))
+                                   PromptLookupProposer(6, 3, by_match=True))   # as spec.py
     prompt = [4, 8, 15, 16, 23, 42, 4, 8, 15]                  # repeats: lookup has matches
     gen = GenConfig(40, temperature, seed=1)
     out = generate_spec(target, proposer, prompt, gen)
