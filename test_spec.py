@@ -829,10 +829,10 @@ def test_prompt_lookup_finds_the_latest_match_and_is_lossless():
     assert scaled.lookup(ctx).tolist() == [1, 2], "(9) alone: 1 of 3, 2 tokens"
     target = tiny_model(6)
     prompt = [3, 4, 5, 6, 7, 8, 3, 4, 5, 6, 7, 8, 3, 4]
-    for temperature in (0.0, 0.9):
+    for temperature, by_match in ((0.0, False), (0.9, False), (0.0, True), (0.9, True)):
         gen = GenConfig(max_new_tokens=40, temperature=temperature, seed=3)
         plain = generate_ar(target, prompt, gen).token_ids
-        proposer = PromptLookupProposer(4)
+        proposer = PromptLookupProposer(6 if by_match else 4, by_match=by_match)
         spec = generate_spec(target, proposer, prompt, gen)
         context = proposer.context.tolist()       # what it searches: everything committed so far
         assert len(context) >= len(prompt) + len(spec.token_ids) - 1
