@@ -831,8 +831,10 @@ def new_head(args, target, train_seqs: list, stop_ids) -> tuple:
     EAGLE layer, over the draft vocabulary of these sequences (or of the run being resumed)."""
     from heads import HeadConfig, build_head, eagle_layer_config, projection
     ckpt = os.path.join(args.out, "checkpoint.pt")
-    vocab = (torch.load(ckpt, weights_only=False, map_location="cpu")["head"]["vocab_ids"] if os.path.exists(ckpt)
-             else draft_vocabulary(train_seqs, args.draft_vocab, stop_ids))
+    if os.path.exists(ckpt):                 # resuming: the vocabulary the run started with
+        vocab = torch.load(ckpt, weights_only=False, map_location="cpu")["head"]["vocab_ids"]
+    else:
+        vocab = draft_vocabulary(train_seqs, args.draft_vocab, stop_ids)
     c = target.config
     config = HeadConfig(args.method, c.hidden_size, c.vocab_size, len(vocab), args.heads,
                         eagle_layer_config(c, args.head_layers or 1) if args.method == "eagle" else {},
