@@ -215,7 +215,7 @@ def build_proposer(args, target, tokenizer, slots):
         eagle, info = head_proposer(argparse.Namespace(**{**vars(args), "method": "eagle2"}),
                                     target, slots, tokenizer, extra=depth)
         lookup = PromptLookupProposer(depth, args.ngram_max, by_match=True)
-        return LookupEagleProposer(eagle, lookup), info
+        return LookupEagleProposer(eagle, lookup, args.full_match_rounds), info
     if args.method == "ngram":
         # by match: up to 12 tokens (4, 8, 12 after a 1-, 2-, 3-token match) measured tau 1.91
         # and 1.32-1.41x over ar against a fixed 4's 1.75 and 1.29-1.31x (README)
@@ -674,6 +674,11 @@ def parse_args(argv=None):
                    help="eagle2+ngram: most tokens in the prompt-lookup branch; a match of n "
                         "of --ngram-max tokens drafts n / ngram-max of them (default: "
                         + str(LOOKUP_DEPTH) + ")")
+    p.add_argument("--full-match-rounds", type=int, default=1,
+                   help="eagle2+ngram: the head's drafting rounds in a step whose lookup matched "
+                        "all --ngram-max tokens (default 1: just the root's alternatives, for "
+                        "when the chain is wrong; as many as --num-speculative-tokens: every "
+                        "round, as in other steps)")
     p.add_argument("--ngram-max", type=int, default=3,
                    help="prompt lookup: longest n-gram matched against the context")
     p.add_argument("--show-tree", action="store_true",
@@ -698,6 +703,7 @@ def parse_args(argv=None):
                                ("--draft-top-k", args.draft_top_k, 1),
                                ("--ngram-max", args.ngram_max, 1),
                                ("--lookup-depth", args.lookup_depth, 0),
+                               ("--full-match-rounds", args.full_match_rounds, 0),
                                ("--limit", args.limit, 0),
                                ("--per-category", args.per_category, 0)):
         if value is not None and value < least:  # checked before minutes of loading, not after
@@ -775,7 +781,9 @@ def bench_decoder(args, method: str, target, tokenizer) -> tuple:
     depth, top_k = margs.num_speculative_tokens, margs.draft_top_k
     size = info.get("tree_size") or margs.tree_size or depth * top_k
     nodes = "size per step" if info.get("per_step") else f"{size} nodes"
+    rounds = min(margs.full_match_rounds, depth)                 # eagle2+ngram's, see --help
     config = (f"{depth} x top-{top_k}, {nodes} + lookup <= {lookup_depth(margs)}"
+              f" ({rounds} round{'s' * (rounds != 1)} after a full match)"
               if method == "eagle2+ngram" else
               f"chain of <= {depth}, by match" if method == "ngram" else
               f"{depth} x top-{top_k}, {nodes}" if method == "eagle2" else

@@ -889,6 +889,32 @@ def test_eagle2_plus_lookup_is_lossless_greedy_and_seeded_when_sampling(temperat
         assert out.token_ids == generate_spec(target, proposer, prompt, gen).token_ids
 
 
+def test_eagle2_plus_lookup_drafts_one_round_after_a_full_match():
+    # A chain found by matching all max_ngram tokens leaves the head one round (the root's
+    # alternatives); a shorter match leaves it all of its rounds.
+    from proposers import LookupEagleProposer, PromptLookupProposer
+    target = tiny_model(2)
+    head = random_eagle(target, 2)
+
+    def draft(prompt, root):      # -> (matched n, deepest node off the lookup chain)
+        proposer = LookupEagleProposer(EagleProposer(target, head, DraftConfig(3, 3), 256),
+                                       PromptLookupProposer(6, 3, by_match=True))
+        cache = target.new_cache(1, 64)
+        _, hidden = target(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache)
+        proposer.start(prompt, hidden[0])
+        chain, n = proposer.lookup.continuation(root)
+        tree, _ = proposer.propose(root, GenConfig(), None)
+        on_chain, node = {0}, 0
+        for token in chain.tolist():          # walk the chain's path down from the root
+            node = next(c for c in range(tree.size)
+                        if tree.parents[c] == node and tree.tokens[c] == token)
+            on_chain.add(node)
+        return n, max(int(tree.depths[c]) for c in range(tree.size) if c not in on_chain)
+
+    assert draft([4, 8, 15, 16, 23, 42, 4, 8], root=15) == (3, 1), "(4, 8, 15): full match"
+    assert draft([4, 8, 15, 16, 23, 42, 9, 8], root=15) == (2, 3), "(8, 15): 2 of 3"
+
+
 def test_size_rule_takes_the_best_priced_size_and_stops_unpaid_rounds():
     from proposers import SizeRule
     verify = [0.0, 16.0, 22.0, 22.5, 23.0, 24.0, 26.0, 28.0, 31.0, 34.0, 38.0, 42.0]   # [k] ms

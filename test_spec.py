@@ -813,20 +813,22 @@ def test_llama3_tokenizer_model_and_chat_format(tmp_path):
 def test_prompt_lookup_finds_the_latest_match_and_is_lossless():
     from proposers import PromptLookupProposer
     p = PromptLookupProposer(depth=3, max_ngram=2)
-    #             0  1  2  3  4  5  6  7  8  9
-    ctx = torch.tensor([5, 6, 7, 8, 5, 6, 9, 1, 2, 5, 6])
-    assert p.lookup(ctx).tolist() == [9, 1, 2], "the latest earlier match of (5, 6) is at 4"
-    assert p.lookup(torch.tensor([1, 2, 3, 4])).tolist() == [], "no match, no draft"
-    assert p.lookup(torch.tensor([3, 1, 2, 3])).tolist() == [1, 2, 3], "falls back to n = 1"
+
+    def match(proposer, ctx):                    # -> (drafted tokens, matched n-gram length)
+        tokens, n = proposer.match(torch.tensor(ctx))
+        return tokens.tolist(), n
+    #                0  1  2  3  4  5  6  7  8  9 10
+    assert match(p, [5, 6, 7, 8, 5, 6, 9, 1, 2, 5, 6]) == ([9, 1, 2], 2), "latest (5, 6): at 4"
+    assert match(p, [1, 2, 3, 4]) == ([], 0), "no match, no draft"
+    assert match(p, [3, 1, 2, 3]) == ([1, 2, 3], 1), "falls back to n = 1"
     # by_match: n matched tokens of max_ngram earn depth * n / max_ngram drafted tokens
     scaled = PromptLookupProposer(depth=6, max_ngram=3, by_match=True)
-    #                   0  1  2  3  4  5  6  7  8  9 10 11 12
-    ctx = torch.tensor([4, 5, 6, 1, 2, 3, 4, 5, 7, 8, 9, 4, 5])
-    assert scaled.lookup(ctx).tolist() == [7, 8, 9, 4], "(4, 5) matched at 6: 2 of 3, 4 tokens"
-    ctx = torch.tensor([4, 5, 6, 1, 2, 3, 4, 5, 7, 8, 9, 1, 2, 3])
-    assert scaled.lookup(ctx).tolist() == [4, 5, 7, 8, 9, 1], "(1, 2, 3): 3 of 3, all 6"
-    ctx = torch.tensor([9, 1, 2, 3, 4, 5, 6, 7, 9])
-    assert scaled.lookup(ctx).tolist() == [1, 2], "(9) alone: 1 of 3, 2 tokens"
+    #                     0  1  2  3  4  5  6  7  8  9 10 11 12
+    assert match(scaled, [4, 5, 6, 1, 2, 3, 4, 5, 7, 8, 9, 4, 5]) == ([7, 8, 9, 4], 2), \
+        "(4, 5) matched at 6: 2 of 3, 4 tokens"
+    assert match(scaled, [4, 5, 6, 1, 2, 3, 4, 5, 7, 8, 9, 1, 2, 3]) == ([4, 5, 7, 8, 9, 1], 3), \
+        "(1, 2, 3): 3 of 3, all 6"
+    assert match(scaled, [9, 1, 2, 3, 4, 5, 6, 7, 9]) == ([1, 2], 1), "(9) alone: 1 of 3, 2 tokens"
     target = tiny_model(6)
     prompt = [3, 4, 5, 6, 7, 8, 3, 4, 5, 6, 7, 8, 3, 4]
     for temperature, by_match in ((0.0, False), (0.9, False), (0.0, True), (0.9, True)):
