@@ -300,7 +300,8 @@ class EagleProposer:
     def propose(self, root: int, gen, generator, riders: int = 0,
                 depth: int | None = None) -> tuple:
         """riders: tokens verified beside this tree (a lookup chain), priced by config.rule;
-        depth: drafting rounds for this step (None: config.depth)."""
+        depth: drafting rounds for this step, at most config.depth, which the node buffers
+        are sized for (None: config.depth)."""
         start, P = self.cache.length, self.pending_feats.shape[0]
         tokens = torch.tensor(self.pending_tokens + [root])                  # (P,)
         feats = self.head.fuse_features(self.pending_feats)                 # (P, C)
@@ -314,7 +315,7 @@ class EagleProposer:
         if self.static is not None:
             return self.static_tree(root), None
         rule = self.config.rule
-        depth = self.config.depth if depth is None else depth
+        depth = self.config.depth if depth is None else min(depth, self.config.depth)
         tree, _ = grow_tree(self.expand, root, depth, self.config.top_k,
                             self.config.total, self.vocab_ids, rule and rule.keep_growing)
         if rule is not None:

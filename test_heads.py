@@ -896,9 +896,9 @@ def test_eagle2_plus_lookup_drafts_one_round_after_a_full_match():
     target = tiny_model(2)
     head = random_eagle(target, 2)
 
-    def draft(prompt, root):      # -> (matched n, deepest node off the lookup chain)
+    def draft(prompt, root, rounds=1):   # -> (matched n, deepest node off the lookup chain)
         proposer = LookupEagleProposer(EagleProposer(target, head, DraftConfig(3, 3), 256),
-                                       PromptLookupProposer(6, 3, by_match=True))
+                                       PromptLookupProposer(6, 3, by_match=True), rounds)
         cache = target.new_cache(1, 64)
         _, hidden = target(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache)
         proposer.start(prompt, hidden[0])
@@ -913,6 +913,7 @@ def test_eagle2_plus_lookup_drafts_one_round_after_a_full_match():
 
     assert draft([4, 8, 15, 16, 23, 42, 4, 8], root=15) == (3, 1), "(4, 8, 15): full match"
     assert draft([4, 8, 15, 16, 23, 42, 9, 8], root=15) == (2, 3), "(8, 15): 2 of 3"
+    assert draft([4, 8, 15, 16, 23, 42, 4, 8], 15, rounds=5) == (3, 3), "more rounds than 3: 3"
 
 
 def test_size_rule_takes_the_best_priced_size_and_stops_unpaid_rounds():
