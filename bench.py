@@ -104,10 +104,11 @@ def identical(records: list, base: str, method: str) -> list:
 
 
 def format_tables(summary: dict, methods: list) -> str:
-    lines = [f"{'method':<21}{'configuration':<28}{'tau':>6}{'tok/s':>9}{'speedup':>9}{'+MB':>8}"
-             f"{'+%':>7}{'identical':>11}"]
+    wide = max([28] + [len(s["config"]) + 2 for s in summary["methods"].values()])
+    lines = [f"{'method':<21}{'configuration':<{wide}}{'tau':>6}{'tok/s':>9}{'speedup':>9}"
+             f"{'+MB':>8}{'+%':>7}{'identical':>11}"]
     for m, s in summary["methods"].items():
-        lines.append(f"{m:<21}{s['config']:<28}{s['tau']:6.2f}{s['tokens_per_s']:9.1f}"
+        lines.append(f"{m:<21}{s['config']:<{wide}}{s['tau']:6.2f}{s['tokens_per_s']:9.1f}"
                      f"{s['speedup']:8.2f}x"
                      f"{s['memory_mb']:8.1f}{s['memory_pct']:6.1f}%"
                      f"{s['identical'][0]:>6}/{s['identical'][1]}")

@@ -511,6 +511,10 @@ def test_bench_table_arithmetic_on_a_synthetic_run():
     text = format_tables(s, ["ar", "e"])
     row = "e" + " " * 20 + "chain of 2" + " " * 20 + "2.00      4.0    2.00x     5.0   5.0%     1/2"
     assert row in text, text
+    long = summarize(records, ["ar", "e"], {"e": 5.0}, 100.0, {"e": "x" * 40})
+    head, _, e_row = format_tables(long, ["ar", "e"]).splitlines()[:3]
+    # tau is right-aligned under its heading, however long the label
+    assert e_row.index("2.00") + 4 == head.index("tau") + 3, "a long label pushes its row along"
     runs = [{"temperature": 0.0, "summary": s}, {"temperature": 0.7, "summary": s}]
     assert "e" + " " * 26 + "2.00 2.00x" + " " * 6 + "2.00 2.00x" in format_temperatures(runs, ["e"])
 
