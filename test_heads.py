@@ -570,6 +570,38 @@ def test_training_time_test_unroll_equals_drafting_at_inference():
             assert torch.allclose(out, outs[j][0, i], rtol=0, atol=1e-10), f"step {j}, entry {i}"
 
 
+
+def test_feature_noise_perturbs_only_what_the_first_step_reads_within_its_bound():
+    """--feature-noise A: the head's first step reads the target's features plus U(-A, A),
+    drawn from the generator (same seed, same draws); the batch itself is left as it was, and
+    A = 0 is the plain unroll."""
+    import train_heads as th
+    target = tiny_model(6)
+    head = random_eagle(target, 2)
+    tokens = torch.randint(0, 60, (40,), generator=torch.Generator().manual_seed(1))
+    hidden = target(tokens[None], torch.arange(40)[None], target.new_cache(1, 48))[1][0]
+    b = th.make_batch([th.Seq(tokens, hidden[:-1], 2)])
+    b.feats = hidden[None, :-1].detach()
+    before = b.feats.clone()
+    read = []
+    fuse = head.fuse_features
+    head.fuse_features = lambda x: read.append(x) or fuse(x)
+    plain = th.eagle_unroll(head, target.embed, b, 2)
+    assert torch.equal(read[-1], b.feats)
+    draws = lambda seed: torch.Generator().manual_seed(seed)
+    noisy = th.eagle_unroll(head, target.embed, b, 2, 0.25, draws(0))
+    delta = read[-1] - b.feats
+    assert torch.equal(b.feats, before), "the noise must not be added to the batch in place"
+    assert delta.abs().max() <= 0.25 + 1e-12 and delta.abs().max() > 0.2, delta.abs().max()
+    assert abs(float(delta.mean())) < 0.02, "uniform noise around 0"
+    assert not torch.allclose(noisy[0], plain[0])
+    again = th.eagle_unroll(head, target.embed, b, 2, 0.25, draws(0))
+    assert all(torch.equal(x, y) for x, y in zip(noisy, again))
+    other = th.eagle_unroll(head, target.embed, b, 2, 0.25, draws(1))
+    assert not torch.equal(other[0], noisy[0])
+    off = th.eagle_unroll(head, target.embed, b, 2, 0.0, draws(0))
+    assert all(torch.equal(x, y) for x, y in zip(off, plain))
+
 def test_show_tree_renders_a_known_tree():
     from tree import make_tree, render_tree
     tree = make_tree([10, 11, 12, 13, 14], [-1, 0, 0, 1, 1],

@@ -378,12 +378,19 @@ def ttt_mask(L: int, j: int, device="cpu") -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def eagle_unroll(head, embed, b: Batch, steps: int) -> list:
-    """The head's outputs (B, L, C) at each of `steps` unrolled drafting steps."""
+def eagle_unroll(head, embed, b: Batch, steps: int, noise: float = 0.0, generator=None) -> list:
+    """The head's outputs (B, L, C) at each of `steps` unrolled drafting steps.
+
+    noise: add U(-noise, noise) to the target's features the first step reads (EAGLE-1's
+    augmentation: a head that drafts from slightly wrong features), drawn from `generator`."""
     B, L = b.feats.shape[:2]
     embeds = embed(b.next_tok)                                         # (B, L, C)
     pos = torch.arange(L, device=b.feats.device)[None].expand(B, L)
-    cache, feats, outs = head.new_cache(0, B), head.fuse_features(b.feats), []
+    feats = b.feats
+    if noise:
+        u = torch.rand(feats.shape, generator=generator, device=feats.device)  # (B, L, W)
+        feats = feats + (2 * u - 1).to(feats.dtype) * noise
+    cache, feats, outs = head.new_cache(0, B), head.fuse_features(feats), []
     for j in range(steps):
         # fresh tensors, one per layer (lists stand in for the cache's stacked layers): autograd
         # keeps each layer's keys for the backward pass, and a later layer writing into the same
@@ -400,12 +407,12 @@ def widen(x: torch.Tensor, L: int) -> torch.Tensor:
 
 
 def eagle_loss(head, embed, proj, b: Batch, steps: int, feature_weight: float,
-               soft: bool = False) -> tuple:
+               soft: bool = False, noise: float = 0.0, generator=None) -> tuple:
     """Cross-entropy (+ smooth L1 on the feature) at every unrolled step; -> (loss, [ce])."""
     teach = teacher(b.target[b.loss_mask], proj, soft)                 # loss rows, row-major
     col = b.loss_mask.nonzero()[:, 1]                                  # their positions
     total, ces = 0.0, []
-    for j, out in enumerate(eagle_unroll(head, embed, b, steps)):
+    for j, out in enumerate(eagle_unroll(head, embed, b, steps, noise, generator)):
         mask = b.loss_mask.clone()
         mask[:, :j] = False                                            # no root before the start
         out = out[mask]                                                # (n, C): loss rows only
@@ -485,6 +492,7 @@ class TrainConfig:
     steps: int = 4                 # EAGLE: unrolled drafting steps (training-time test)
     feature_weight: float = 0.1    # EAGLE: weight of the smooth-L1 feature loss
     soft_labels: bool = False      # EAGLE, Medusa: the target's distribution, not its argmax
+    feature_noise: float = 0.0     # EAGLE: U(-a, a) added to the target features it reads
     bf16: bool = True              # autocast matmuls to bfloat16 (about 2x faster on these CPUs)
     seed: int = 0
 
@@ -687,6 +695,10 @@ def parse_args(argv=None):
                    help="EAGLE: drafting steps unrolled in training (EAGLE-3's training-time test)")
     p.add_argument("--feature-weight", type=float, default=d.feature_weight,
                    help="EAGLE: weight of the feature regression loss")
+    p.add_argument("--feature-noise", type=float, default=d.feature_noise, metavar="A",
+                   help="EAGLE: add uniform noise in [-A, A] to the target features the head "
+                        "reads in training (EAGLE-1's augmentation; the default model's "
+                        "features have a per-dimension spread of about 1.1; 0: off)")
     p.add_argument("--soft-labels", action="store_true",
                    help="EAGLE, Medusa: learn the target's whole distribution (soft cross-entropy) "
                         "instead of its greedy token (EAGLE, measured: 1.1x the time a step, no gain at "
@@ -710,7 +722,7 @@ def check_ranges(p, args) -> None:
     positive = ("epochs", "lr", "batch", "max_new_tokens", "max_prompt_tokens", "draft_vocab",
                 "heads", "layers", "tokens_per_batch", "steps")
     at_least_0 = ("minutes", "limit", "derive", "head_layers", "held_out", "tau_prompts",
-                  "feature_weight")
+                  "feature_weight", "feature_noise")
     for name in positive + at_least_0:
         value = getattr(args, name)
         if value < 0 or (value == 0 and name in positive):
@@ -780,7 +792,7 @@ def train_and_save(args, model_path: str, features: str, tokenizer) -> None:
     tc = TrainConfig(epochs=args.epochs, minutes=args.minutes, lr=args.lr,
                      tokens_per_batch=args.tokens_per_batch, steps=args.steps,
                      feature_weight=args.feature_weight, soft_labels=args.soft_labels,
-                     seed=args.seed)
+                     feature_noise=args.feature_noise, seed=args.seed)
     run = train_draft if args.method == "draft" else train_head
     info = {"method": args.method, "data": os.path.abspath(args.data), "features": features,
             "train_sequences": len(train_seqs), "held_out_sequences": len(held),
@@ -806,9 +818,11 @@ def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) 
         info = info | {"init": {"folder": os.path.abspath(args.init),
                                 "training": read_json(os.path.join(args.init, "training.json"))}}
     if args.method == "eagle":
+        # --feature-noise's draws (a resumed run starts them from the seed again)
+        draws = torch.Generator(device).manual_seed(tc.seed)
         def loss_fn(seqs):
             return eagle_loss(head, target.embed, proj, make_batch(seqs).to(device), tc.steps,
-                              tc.feature_weight, tc.soft_labels)
+                              tc.feature_weight, tc.soft_labels, tc.feature_noise, draws)
     else:
         def loss_fn(seqs):
             return medusa_loss(head, proj, make_batch(seqs).to(device), tc.soft_labels)
