@@ -570,7 +570,6 @@ def test_training_time_test_unroll_equals_drafting_at_inference():
             assert torch.allclose(out, outs[j][0, i], rtol=0, atol=1e-10), f"step {j}, entry {i}"
 
 
-
 def test_feature_noise_perturbs_only_what_the_first_step_reads_within_its_bound():
     """--feature-noise A: the head's first step reads the target's features plus U(-A, A),
     drawn from the generator (same seed, same draws); the batch itself is left as it was, and
@@ -601,6 +600,7 @@ def test_feature_noise_perturbs_only_what_the_first_step_reads_within_its_bound(
     assert not torch.equal(other[0], noisy[0])
     off = th.eagle_unroll(head, target.embed, b, 2, 0.0, draws(0))
     assert all(torch.equal(x, y) for x, y in zip(off, plain))
+
 
 def test_show_tree_renders_a_known_tree():
     from tree import make_tree, render_tree
