@@ -34,6 +34,7 @@ class Record:
     seconds: float
     accepted: list = field(default_factory=list)    # per step: drafted tokens accepted
     temperature: float = 0.0
+    draft_seconds: float = 0.0                      # of `seconds`, those spent drafting
 
 
 def read_bench(path: str, limit: int = 0, categories: str | None = None,
@@ -73,14 +74,22 @@ def summarize(records: list, methods: list, extra_mb: dict, target_mb: float,
 
     out = {"methods": {}, "categories": {}}
     base = totals([r for r in records if r.method == methods[0]])
+    base_ms = 1000 * base[2] / max(base[1], 1)
     for m in methods:
         new, fwd, sec = totals([r for r in records if r.method == m])
         steps = [a for r in records if r.method == m for a in r.accepted]
         depth = max(steps, default=0)
+        # tokens/s = tau / (s per forward), so speedup = tau x base_ms / ms: what a method's
+        # forward costs (drafting included) sets the tau it needs for a given speedup
+        ms = 1000 * sec / max(fwd, 1)
+        drafting = sum(r.draft_seconds for r in records if r.method == m)
         out["methods"][m] = {
             "config": (configs or {}).get(m, ""),
             "tau": new / max(fwd, 1), "tokens_per_s": new / max(sec, 1e-9),
             "speedup": (new / max(sec, 1e-9)) / (base[0] / max(base[2], 1e-9)),
+            "ms_per_forward": ms,
+            "draft_ms_per_step": 1000 * drafting / len(steps) if steps else None,
+            "tau_for_2x": 2 * ms / base_ms,
             "memory_mb": extra_mb.get(m, 0.0), "memory_pct": 100 * extra_mb.get(m, 0.0) / target_mb,
             "acceptance_by_position": [sum(a > i for a in steps) / max(len(steps), 1)
                                        for i in range(depth)],
@@ -118,6 +127,13 @@ def format_tables(summary: dict, methods: list) -> str:
     for c, per in summary["categories"].items():
         lines.append(f"{c:<16}" + "".join(
             f"{per[m]['tau']:{width[m] - 6}.2f} {per[m]['speedup']:4.2f}x" for m in methods))
+    lines += ["", "ms per target forward, drafting included (speedup = tau x the baseline's ms "
+              "/ this ms)", f"{'method':<21}{'ms':>8}{'drafting':>10}{'tau for 2x':>12}"]
+    for m, s in summary["methods"].items():
+        drafting = s["draft_ms_per_step"]
+        lines.append(f"{m:<21}{s['ms_per_forward']:8.1f}"
+                     f"{'-' if drafting is None else format(drafting, '.1f'):>10}"
+                     f"{s['tau_for_2x']:12.2f}")
     lines += ["", "acceptance by draft position (fraction of steps)"]
     for m, s in summary["methods"].items():
         if s["acceptance_by_position"]:
@@ -162,7 +178,7 @@ def run_bench(args, build) -> dict:
                 ids = tokenizer.chat_ids(history + [("user", text)])
                 r = decode(ids)
                 records.append(Record(m, p.id, p.category, turn, r.token_ids, r.target_forwards,
-                                      r.seconds, r.accepted, T))
+                                      r.seconds, r.accepted, T, sum(r.draft_seconds)))
                 answer = [t for t in r.token_ids if t not in tokenizer.stop_ids]
                 history += [("user", text), ("assistant", tokenizer.decode(answer))]
             bar.update(1)

@@ -51,6 +51,7 @@ class Result:
     seconds: float = 0.0                            # prefill to last token
     accepted: list = field(default_factory=list)    # per step: drafted tokens accepted
     drafted: list = field(default_factory=list)     # per step: drafted tokens (tree nodes)
+    draft_seconds: list = field(default_factory=list)   # per step: wall time in propose()
 
     @property
     def tau(self) -> float:
@@ -135,7 +136,9 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
         on_tokens([root], [False])
     proposer.start(prompt_ids, hidden[0])
     while not done and cache.length + max_nodes < cache.slots:
+        t = time.perf_counter()          # no sync added: a proposer syncs to read its own choices
         tree, q = proposer.propose(root, gen, generator)
+        result.draft_seconds.append(time.perf_counter() - t)
         mask = ancestor_mask(tree.parents, tree.depths)                   # (N, N)
         start = cache.length
         tokens, pos, seen = tree.tokens, positions(tree.depths, start), mask
@@ -377,33 +380,13 @@ def auto_tree_size(args, target, tokenizer, accuracy, make, extra: int = 0) -> t
     return size, rule
 
 
-class TimedProposer:
-    """Wraps a proposer and records the seconds of each propose() call."""
-
-    def __init__(self, inner):
-        self.inner, self.max_nodes, self.taps, self.seconds = inner, inner.max_nodes, inner.taps, []
-
-    def start(self, prompt_ids, hidden=None):
-        self.inner.start(prompt_ids, hidden)
-
-    def propose(self, root, gen, generator):
-        t0 = time.perf_counter()
-        out = self.inner.propose(root, gen, generator)
-        self.seconds.append(time.perf_counter() - t0)
-        return out
-
-    def commit(self, tree, accepted, hidden=None):
-        self.inner.commit(tree, accepted, hidden)
-
-
 def draft_time(proposer, target, tokenizer) -> float:
     """Median ms of one propose() call while decoding a built-in prompt (after one warm-up)."""
     import statistics
     for _ in range(2):
-        timed = TimedProposer(proposer)
-        generate_spec(target, timed, tokenizer.chat_prompt(BUILTIN_PROMPTS[2]), GenConfig(24),
-                      tokenizer.stop_ids)
-    return statistics.median(timed.seconds) * 1000
+        result = generate_spec(target, proposer, tokenizer.chat_prompt(BUILTIN_PROMPTS[2]),
+                               GenConfig(24), tokenizer.stop_ids)
+    return statistics.median(result.draft_seconds) * 1000
 
 
 def machine_name(device: str) -> str:

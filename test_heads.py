@@ -517,6 +517,18 @@ def test_bench_table_arithmetic_on_a_synthetic_run():
     assert e_row.index("2.00") + 4 == head.index("tau") + 3, "a long label pushes its row along"
     runs = [{"temperature": 0.0, "summary": s}, {"temperature": 0.7, "summary": s}]
     assert "e" + " " * 26 + "2.00 2.00x" + " " * 6 + "2.00 2.00x" in format_temperatures(runs, ["e"])
+    # the time per forward: 2 s over 3 forwards, 0.8 s of it drafting in 2 steps; base 0.5 s
+    slow = records[:2] + [R("f", "1", "x", 0, [1, 2, 3, 4], 2, 1.5, [3], 0.0, 0.6),
+                          R("f", "2", "y", 0, [5, 6], 1, 0.5, [1], 0.0, 0.2)]
+    f = summarize(slow, ["ar", "f"], {}, 100.0)["methods"]
+    assert f["f"]["ms_per_forward"] == pytest.approx(2000 / 3)
+    assert f["f"]["draft_ms_per_step"] == pytest.approx(400.0) and f["ar"]["draft_ms_per_step"] is None
+    assert f["f"]["tau_for_2x"] == pytest.approx(2 * (2000 / 3) / 500)
+    assert f["f"]["speedup"] == pytest.approx(f["f"]["tau"] * 500 / f["f"]["ms_per_forward"]), \
+        "speedup must be tau times the baseline's ms per forward over the method's"
+    text = format_tables(summarize(slow, ["ar", "f"], {}, 100.0), ["ar", "f"])
+    assert "f" + " " * 20 + "   666.7     400.0        2.67" in text, text
+    assert "ar" + " " * 19 + "   500.0         -        2.00" in text, text
 
 
 # ---------------------------------------------------------------- the shipped weights

@@ -496,6 +496,31 @@ def test_greedy_with_stop_token_stops_at_it():
     assert spec.token_ids == expect
 
 
+def test_each_step_records_the_time_its_proposal_took():
+    """Result.draft_seconds (what --bench's drafting column and --tree-size auto's draft time
+    read) holds one entry per step: the time inside propose(), not the target's forward."""
+    import time
+    from proposers import PromptLookupProposer
+
+    class SlowLookup(PromptLookupProposer):
+        def propose(self, root, gen, generator):
+            time.sleep(0.02)
+            return super().propose(root, gen, generator)
+
+    target = tiny_model(3)
+    forward = target.forward
+
+    def slow_forward(*args, **kwargs):
+        time.sleep(0.1)
+        return forward(*args, **kwargs)
+
+    target.forward = slow_forward
+    out = generate_spec(target, SlowLookup(4), [1, 2, 1, 2], GenConfig(max_new_tokens=8))
+    assert len(out.draft_seconds) == len(out.accepted) > 1, "one drafting time per step"
+    assert min(out.draft_seconds) >= 0.02, "each step's time must include its whole proposal"
+    assert max(out.draft_seconds) < 0.1, "the target's forward must not count as drafting"
+
+
 # ---------------------------------------------------------------- sampling losslessness
 
 def chi_square_p(counts: np.ndarray, expected_probs: np.ndarray) -> float:
