@@ -682,6 +682,10 @@ def parse_args(argv=None):
                 "tokenizer and nothing worth decoding")
     if args.peers and not args.bench:
         p.error("--peers only with --bench")
+    unknown = [m for m in args.methods.split(",") if m not in METHODS]
+    if args.bench and unknown:          # else a typo would silently bench the draft model
+        p.error(f"--methods: unknown {', '.join(map(repr, unknown))}; choose from "
+                f"{', '.join(METHODS)} (transformers' own: --peers)")
     for flag, value, least in (("--num-speculative-tokens", args.num_speculative_tokens, 1),
                                ("--draft-top-k", args.draft_top_k, 1),
                                ("--ngram-max", args.ngram_max, 1),

@@ -271,7 +271,8 @@ def test_cli_reports_bad_model_path_without_traceback(capsys):
     (["--device", "nosuchdevice"], "--device nosuchdevice is not available here"),
     (["--num-speculative-tokens", "0"], "--num-speculative-tokens must be at least 1, got 0"),
     (["--draft-top-k", "-1"], "--draft-top-k must be at least 1, got -1"),
-    (["--limit", "-2"], "--limit must be at least 0, got -2")])
+    (["--limit", "-2"], "--limit must be at least 0, got -2"),
+    (["--bench", "x.jsonl", "--methods", "ar,eagel2"], "--methods: unknown 'eagel2'; choose from")])
 def test_cli_rejects_bad_flags_before_loading_anything(flags, message, capsys):
     # an unusable device or out-of-range number is named at once, not minutes later as a
     # traceback from inside torch (a missing CUDA used to surface from torch.cuda's init)
