@@ -18,7 +18,7 @@ from torch import nn
 
 from kernels import attention_mask
 from model import (Block, KVCache, Linear, LlamaConfig, LoadError, cache_dtype, linear,
-                   rope_cos_sin, rope_inv_freq)
+                   read_json, rope_cos_sin, rope_inv_freq)
 
 
 @dataclass
@@ -189,7 +189,10 @@ def read_head_config(folder: str) -> HeadConfig:
             raise LoadError(f"{folder}: no {name}; is this a folder written by train_heads.py?")
     with open(f"{folder}/config.json") as f:
         try:
-            return HeadConfig(**json.load(f))
+            config = json.load(f)
+            if "kind" not in config:            # a whole model's HF config, a draft's say
+                raise TypeError("no 'kind': a model's config? a draft model goes to --draft")
+            return HeadConfig(**config)
         except (json.JSONDecodeError, TypeError) as e:
             raise LoadError(f"{folder}/config.json: not a head config ({e})") from None
 
@@ -366,6 +369,10 @@ def draft_folder(folder: str, target_folder: str, cache: str) -> str:
     weights = f"{folder}/model.safetensors"
     if not os.path.isfile(weights):
         raise LoadError(f"{folder}: no model.safetensors; is this a draft folder?")
+    config = read_json(f"{folder}/config.json", "the draft's config")
+    if "kind" in config:                    # a head folder of train_heads.py
+        raise LoadError(f"{folder} holds {config['kind']} heads, not a draft model (a HF "
+                        f"Llama folder); heads go to --head")
     with safe_open(weights, framework="pt") as f:
         if "model.embed_tokens.weight" in f.keys():
             return folder
@@ -378,8 +385,7 @@ def draft_folder(folder: str, target_folder: str, cache: str) -> str:
     if not os.path.isfile(target_files[0]):
         raise LoadError(f"{target_folder}: need a single model.safetensors to take the draft's "
                         "embeddings from")
-    with open(f"{folder}/config.json") as f:
-        tied = json.load(f).get("tie_word_embeddings", False)
+    tied = config.get("tie_word_embeddings", False)
     names = ["model.embed_tokens.weight"] + ([] if tied else ["lm_head.weight"])
     with safe_open(target_files[0], framework="pt") as f:
         shared = {n: f.get_tensor(n).bfloat16() for n in names}

