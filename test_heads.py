@@ -656,6 +656,16 @@ def test_training_flags_out_of_range_fail_before_any_loading(capsys):
         th.parse_args(base + ["--held-out", "-1"])
     assert "--held-out must be >= 0, got -1" in capsys.readouterr().err
     assert th.parse_args(base + ["--minutes", "0"]).minutes == 0     # 0: no limit, allowed
+    # --init is read before any data is: a wrong folder used to surface after the features
+    from spec import WEIGHTS
+    for init, message in (("/nonexistent", "/nonexistent: no config.json"),
+                          (f"{WEIGHTS}/smollm2-135m-medusa", "holds medusa heads; --method eagle"),
+                          (f"{WEIGHTS}/smollm2-135m-draft", "not a head config")):
+        with pytest.raises(ValueError, match=message):        # LoadError is one too
+            th.main(["--method", "eagle", "--data", "/nonexistent.jsonl", "--out", "o",
+                     "--init", init])
+    with pytest.raises(ValueError, match="no feature shards; run with --stage features first"):
+        th.load_features("/nonexistent")                    # not an OSError from os.listdir
 
 
 def test_draft_over_a_reduced_vocabulary_drafts_its_best_token_and_stays_lossless(tmp_path):
