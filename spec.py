@@ -863,12 +863,12 @@ def compare_hf(args) -> dict:
     """Our plain decoding vs transformers' greedy generate: same model, dtype and prompts."""
     import statistics
     import transformers
+    prompts = read_prompts(args.prompts, prompt_limit(args))      # a bad file before loading
     path, ours, tokenizer = load_target(args)
     theirs = transformers.LlamaForCausalLM.from_pretrained(
         path, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     gen = GenConfig(args.max_new_tokens)
     rows = []
-    prompts = read_prompts(args.prompts, prompt_limit(args))
     for i, prompt in enumerate([BUILTIN_PROMPTS[0]] + prompts):
         ids = tokenizer.chat_prompt(prompt)
         a = generate_ar(ours, ids, gen, tokenizer.stop_ids)
