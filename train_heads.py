@@ -757,14 +757,14 @@ def main(argv=None):
     if not 0 <= args.wise <= 1 or (args.wise < 1 and not args.init):
         raise ValueError(f"--wise {args.wise}: a weight in [0, 1] between an --init head and "
                          "the one trained from it; it needs --init")
-    if args.init:                # checked now, not after an hour of self-distillation
+    if args.init:                # read now, not after an hour of self-distillation
         from heads import read_head_config
-        kind = read_head_config(args.init).kind
-        if kind != args.method:
-            raise ValueError(f"--init {args.init} holds {kind} heads; --method {args.method} "
-                             f"trains {args.method} heads")
-    if args.init and not args.taps and args.method == "eagle":           # the head's own taps
-        args.taps = tuple((read_json(os.path.join(args.init, "config.json")) or {}).get("taps", ()))
+        init = read_head_config(args.init)
+        if init.kind != args.method:
+            raise ValueError(f"--init {args.init} holds {init.kind} heads; --method "
+                             f"{args.method} trains {args.method} heads")
+        if not args.taps and args.method == "eagle":                     # the head's own taps
+            args.taps = tuple(init.taps)
     model_path = args.model or default_model_path(args.cache_dir)
     features = args.features or default_features_dir(args)
     tokenizer = load_tokenizer(model_path)
