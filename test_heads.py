@@ -844,14 +844,42 @@ def test_auto_tree_size_picks_the_optimum_of_a_synthetic_curve():
     expected = {n: 1 + 2.2 * (1 - 0.85 ** n) for n in range(1, 49)}      # saturating acceptance
     measured = {1: 20.0, 4: 21.0, 8: 24.0, 16: 34.0, 32: 58.0, 49: 90.0}  # flat, then linear
     ks = sorted(measured)
-    for draft_ms, extra in ((0.0, 0), (9.0, 0), (40.0, 0), (9.0, 8)):
+    def flat(ms):
+        return {n: ms for n in expected}
+
+    for draft_ms, extra in ((flat(0.0), 0), (flat(9.0), 0), (flat(40.0), 0), (flat(9.0), 8),
+                            ({n: 2.0 * n for n in expected}, 0)):
         n, speed, _ = choose_tree_size(expected, measured, draft_ms, extra)
-        brute = {m: e / (draft_ms + np.interp(m + 1 + extra, ks, [measured[k] for k in ks]))
+        brute = {m: e / (draft_ms[m] + np.interp(m + 1 + extra, ks, [measured[k] for k in ks]))
                  for m, e in expected.items()}
         assert n == max(brute, key=brute.get)
         assert speed[n] == pytest.approx(1000 * brute[n])
     # a costlier draft makes bigger trees pay: the choice must move up
-    assert choose_tree_size(expected, measured, 40.0)[0] > choose_tree_size(expected, measured, 0.0)[0]
+    assert (choose_tree_size(expected, measured, flat(40.0))[0] >
+            choose_tree_size(expected, measured, flat(0.0))[0])
+
+
+def test_static_eagle_trees_pay_a_drafting_round_per_depth_level():
+    # EAGLE's static tree feeds the head once per level, so --tree-size auto prices its drafting
+    # by the depth of the tree each size gets; Medusa (one pass) and EAGLE-2 (all its rounds
+    # always) pay the time measured, whatever the size
+    from heads import best_paths, choose_tree_size, expected_length
+    from spec import draft_costs
+    accuracy = [[0.6, 0.2, 0.1, 0.05], [0.6, 0.15, 0.05], [0.55, 0.1], [0.55, 0.1], [0.55, 0.1]]
+    sizes = range(1, 17)
+    levels = {n: max(map(len, best_paths(accuracy, n))) for n in sizes}
+    assert levels[1] == 1 and levels[16] == 5, levels
+    eagle = draft_costs("eagle", accuracy, 6.0, 5, sizes)
+    assert eagle[5] == pytest.approx(6.0), "the measured size costs what was measured"
+    for n in sizes:
+        assert eagle[n] == pytest.approx(6.0 * levels[n] / levels[5]), n
+    for method in ("medusa", "eagle2"):
+        assert draft_costs(method, accuracy, 6.0, 5, sizes) == {n: 6.0 for n in sizes}
+    # deeper trees cost more rounds, so the static tree chosen is no bigger than at a flat price
+    expected = {n: expected_length(accuracy, n) for n in sizes}
+    costs = {1: 16.0, 4: 16.5, 8: 18.0, 17: 24.0}
+    by_depth = choose_tree_size(expected, costs, eagle)[0]
+    assert by_depth < choose_tree_size(expected, costs, {n: 6.0 for n in sizes})[0]
 
 
 @pytest.mark.slow
