@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 from kernels import attention_mask
-from model import (Block, KVCache, Linear, LlamaConfig, LoadError, cache_dtype, linear,
-                   read_json, rope_cos_sin, rope_inv_freq)
+from model import Block, KVCache, LlamaConfig, LoadError, Rope, cache_dtype, read_json, round_up
 
 
 @dataclass
@@ -56,14 +55,14 @@ class EagleHead(nn.Module):
         super().__init__()
         C = layer.hidden_size
         self.layer_config, self.taps = layer, tuple(sorted(taps))   # Llama.forward's order
-        self.fc = Linear(2 * C, C)
+        self.fc = nn.Linear(2 * C, C)
         self.layers = nn.ModuleList(Block(layer) for _ in range(layer.num_layers))
         if self.taps:
-            self.fuse = Linear((len(self.taps) + 1) * C, C, bias=False)
+            self.fuse = nn.Linear((len(self.taps) + 1) * C, C, bias=False)
             with torch.no_grad():                                       # [0 ... 0 | I]
                 self.fuse.weight.zero_()[:, -C:] = torch.eye(C)
         self.register_buffer("vocab_ids", vocab_ids.long())              # (R,)
-        self.register_buffer("inv_freq", rope_inv_freq(layer), persistent=False)
+        self.rope = Rope(layer)
 
     def fuse_features(self, feats):
         """(..., (k + 1) C) the target's tapped and final features -> (..., C); without taps the
@@ -84,16 +83,16 @@ class EagleHead(nn.Module):
         slots [cache.length, + T) and sees the prefix plus `mask` as in Llama.forward."""
         B, T, _ = feats.shape
         start = cache.length
-        full_mask = attention_mask(start, T, mask, feats.device)
-        cos, sin = rope_cos_sin(self.inv_freq, positions.expand(B, T), feats.dtype)
+        seen = attention_mask(start, T, mask, min(round_up(start + T), cache.slots), feats.device)
+        cos, sin = self.rope(positions.expand(B, T), feats.dtype)
         x = self.fc(torch.cat([embeds, feats], dim=-1))                   # (B, T, C)
         for i, block in enumerate(self.layers):
-            x = block(x, cos, sin, cache.k[i], cache.v[i], start, full_mask)
+            x = block(x, cos, sin, cache.k[i], cache.v[i], start, seen)
         cache.length = start + T
         return x
 
     def new_cache(self, slots: int, batch: int = 1) -> KVCache:
-        w = self.fc.weight
+        w = self.layers[0].attn_norm.weight            # a float parameter in every weight form
         return KVCache.allocate(self.layer_config, batch, slots, cache_dtype(w.dtype, w.device),
                                 w.device)
 
@@ -105,8 +104,7 @@ class MedusaHeads(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, vocab_ids: torch.Tensor,
                  own_projection: bool = False):
         super().__init__()
-        # model.Linear: drafting may run it through an int8 copy (model.quantize_int8)
-        self.blocks = nn.ModuleList(Linear(hidden_size, hidden_size) for _ in range(num_heads))
+        self.blocks = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_heads))
         for b in self.blocks:
             nn.init.zeros_(b.weight), nn.init.zeros_(b.bias)
         self.register_buffer("vocab_ids", vocab_ids.long())              # (R,)
@@ -119,18 +117,27 @@ class MedusaHeads(nn.Module):
         """hidden (..., C) -> (..., M, C): one feature per head, for the shared projection."""
         return torch.stack([hidden + nn.functional.silu(b(hidden)) for b in self.blocks], -2)
 
-    def logits(self, hidden, shared, packed=None, int8=None) -> torch.Tensor:
-        """hidden (..., C), shared (R, C) the target's rows (or their prepacked / int8 copy, see
-        model.linear) -> (..., M, R)."""
+    def logits(self, hidden, shared) -> torch.Tensor:
+        """hidden (..., C), shared: the projection onto the target's rows (a module C -> R, see
+        `projection`) -> (..., M, R)."""
         feats = self(hidden)                                             # (..., M, C)
         if self.proj is None:
-            return linear(feats, shared, packed=packed, int8=int8)
+            return shared(feats)
         return torch.einsum("...mc,mrc->...mr", feats, self.proj)
 
 
-def projection(target, vocab_ids: torch.Tensor) -> torch.Tensor:
+def projection_rows(target, vocab_ids: torch.Tensor) -> torch.Tensor:
     """(R, C): the target's lm_head rows of the draft vocabulary (a copy, R/V of its size)."""
-    return target.lm_head.weight.detach()[vocab_ids.to(target.lm_head.weight.device)].clone()
+    w = target.embed.weight if target.config.tie_embeddings else target.lm_head.weight
+    return w.detach()[vocab_ids.to(w.device)].clone()
+
+
+def projection(target, vocab_ids: torch.Tensor) -> nn.Linear:
+    """The target's lm_head restricted to the draft vocabulary: a module C -> R."""
+    rows = projection_rows(target, vocab_ids)                           # (R, C)
+    proj = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
+    proj.weight = nn.Parameter(rows, requires_grad=False)
+    return proj
 
 
 def build_head(config: HeadConfig, vocab_ids: torch.Tensor) -> nn.Module:
@@ -302,8 +309,7 @@ def init_draft(target, layers: int):
         draft = Llama(config)
     draft.layers = nn.ModuleList(copy.deepcopy(target.layers[i]) for i in picks)
     draft.norm = copy.deepcopy(target.norm)
-    draft.embed, draft.lm_head = target.embed, target.lm_head
-    draft.inv_freq = target.inv_freq
+    draft.embed, draft.lm_head, draft.rope = target.embed, target.lm_head, target.rope
     draft.embed.requires_grad_(False), draft.lm_head.requires_grad_(False)
     draft.layers.requires_grad_(True), draft.norm.requires_grad_(True)
     return draft

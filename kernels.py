@@ -11,21 +11,22 @@ Names for probabilities, used everywhere in this project:
 import torch
 
 
-def attention_mask(start: int, T: int, mask, device):
-    """(T, start + T) bool: which cache slots each of the T new tokens sees.
+def attention_mask(start: int, T: int, mask, width: int, device):
+    """(T, width) bool: which of the first `width` cache slots each of the T new tokens sees.
 
     mask None: causal among the new tokens. mask (T, T): among the new tokens, each sees the whole
-    prefix [0, start) (the committed tokens are everyone's ancestors). mask (T, start + T): used
-    as given (a draft that keeps a growing tree in its own cache). Returns None when everything
-    is visible (one new token), which lets scaled_dot_product_attention take its fastest path."""
+    prefix [0, start) (the committed tokens are everyone's ancestors). mask (T, start + T) or
+    (B, 1, T, start + T): used as given (a draft that keeps a growing tree in its own cache; a
+    batch with padding). Slots from start + T up to width are seen by no one: attention reads
+    whole blocks of slots (model.SLOT_BLOCK), whatever stale keys they hold."""
     if mask is None:
-        if T == 1:
-            return None
         mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    if mask.shape[-1] == start + T:
-        return mask.to(device)
-    prefix = torch.ones(T, start, dtype=torch.bool, device=device)
-    return torch.cat([prefix, mask.to(device)], dim=1)
+    mask = mask.to(device)
+    if mask.shape[-1] != start + T:
+        prefix = torch.ones(T, start, dtype=torch.bool, device=device)
+        mask = torch.cat([prefix, mask], dim=1)                         # (T, start + T)
+    unseen = mask.new_zeros(*mask.shape[:-1], width - start - T)
+    return torch.cat([mask, unseen], dim=-1)
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
@@ -33,7 +34,7 @@ def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p >= 1.0:
         return probs
-    sorted_p, order = probs.sort(dim=-1, descending=True)
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)   # ties: one order
     outside = sorted_p.cumsum(-1) - sorted_p >= top_p      # mass before it already reaches top_p
     sorted_p = sorted_p.masked_fill(outside, 0.0)
     probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
@@ -41,19 +42,42 @@ def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """(..., V) probabilities -> (...) long, one draw per row."""
+    """(..., V) probabilities -> (...) long, one draw per row (from the generator's stream)."""
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
-def next_tokens(logits, temperature: float, top_p: float, generator) -> torch.Tensor:
-    """(..., V) -> (...) the target's choice: argmax at temperature 0, else a sample from p."""
+def uniform(seed: int, position: int) -> float:
+    """A uniform in [0, 1) keyed on (seed, position): splitmix64 of the pair, top 53 bits.
+
+    Why keyed, not drawn from a stream: the target's token at position t is then the same
+    function of (p, seed, t) in plain decoding and at every tree node that predicts position
+    t, so with exact kernels every method with deterministic drafts samples plain decoding's
+    very text, whatever the tree shapes and however many draws went before."""
+    x = (seed * 0x9E3779B97F4A7C15 + position + 1) % 2**64
+    for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+        x = ((x ^ (x >> shift)) * mult) % 2**64
+    x ^= x >> 31
+    return (x >> 11) / 2**53
+
+
+def sample_at(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """(..., V) probabilities, (...) uniforms -> (...) long: the inverse CDF of each row at u.
+
+    A token of probability 0 is never drawn: the CDF is flat across it."""
+    cdf = probs.double().cumsum(-1)                                     # (..., V)
+    x = (u.to(cdf) * cdf[..., -1]).unsqueeze(-1)                         # (..., 1)
+    return torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+
+
+def next_tokens(logits, temperature: float, top_p: float, u=None) -> torch.Tensor:
+    """(..., V) -> (...) the target's choice: argmax at temperature 0, else the draw from p at
+    the uniforms u (...) (see `uniform`)."""
     if temperature == 0:
         # Widened to float32 (never narrowed: float64 stays): the same values and ties, but
-        # torch's CPU argmax over bf16 measured 3.5x slower than casting first (6 x 49152
-        # logits: 548 us vs 159 us, cast included).
+        # torch's CPU argmax over bf16 is several times slower than casting first.
         return logits.to(torch.promote_types(logits.dtype, torch.float32)).argmax(-1)
-    return sample(target_probs(logits, temperature, top_p), generator)
+    return sample_at(target_probs(logits, temperature, top_p), u)
 
 
 def accept_tree(tokens, retrieve, choice):

@@ -12,7 +12,6 @@ import copy
 import json
 import math
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -113,15 +112,20 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype) -> tuple:
-    """positions (B, T) -> cos, sin of shape (B, T, 1, D), HF's half-split layout."""
-    freqs = positions.to(torch.float32)[..., None] * inv_freq     # (B, T, D/2)
-    angles = torch.cat([freqs, freqs], dim=-1)[:, :, None]        # (B, T, 1, D)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+def rope_tables(inv_freq: torch.Tensor, positions: int) -> tuple:
+    """(positions, D) cos and sin of every position, HF's half-split layout, in float32.
+
+    A table, not cos/sin per forward: a vectorized cos and the scalar one that handles a
+    tensor's tail can round differently, so a position's angle would depend on how many
+    tokens share the call; looked up, it is the same number in every call."""
+    freqs = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq     # (P, D/2)
+    angles = torch.cat([freqs, freqs], dim=-1)                                   # (P, D)
+    return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, T, heads, D). Math: x * e^(i * pos * freq) on pairs (x[j], x[j + D/2])."""
+    """x (B, T, heads, D), cos/sin (B, T, 1, D). Math: x * e^(i * pos * freq) on pairs
+    (x[j], x[j + D/2])."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -134,27 +138,30 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # Not F.rms_norm: it rounds once where the reference rounds before the weight, and its
-        # bf16 kernel took 0.9-1.0 ms for 300 rows on these CPUs, alone (this: 0.12-0.17 ms;
-        # ~2 us more at 1-6 rows).
+        # Not F.rms_norm: it rounds once where the reference rounds before the weight.
         x32 = x.to(torch.promote_types(x.dtype, torch.float32))         # bf16 squares lose too much
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
 
 
-def cache_dtype(dtype: torch.dtype, device) -> torch.dtype:
-    """The KV cache's dtype for a model in `dtype`: float32 for 16-bit models on CPU.
+SLOT_BLOCK = 64    # caches hold, and attention reads, whole blocks of this many slots
 
-    Why: there attention runs faster in float32 than in 16 bits, and a float32 cache spares
-    casting every cached key and value on every forward. Measured per layer (2 cores, bf16
-    model): one query over 300 / 1200 keys 172 / 576 us in bf16, 31 / 95 us in float32. With
-    the cache in bf16, one query paid those casts and trees stayed in bf16; with it in float32
-    (and RMSNorm's change), old and new code alternating: a 6-token forward after 300 cached
-    tokens 24.7 -> 23.8 ms, a 1-token one 17.8 -> 17.7 ms. The cost is twice the cache memory
-    (46 MB for 1,000 tokens here)."""
-    if torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
-        return torch.float32
+
+def cache_dtype(dtype: torch.dtype, device) -> torch.dtype:
+    """The dtype of the KV cache and of attention for a model in `dtype`.
+
+    16-bit models attend in their own dtype: on CPU, oneDNN's 16-bit matmuls accumulate in
+    float32 and give a row the same result whatever else shares the call (see `attend`).
+    float32 models attend in float64 on CPU: there the float32 matmuls (MKL) take other
+    code paths for 1-3 rows and round differently, so plain decoding and tree verification
+    would disagree in the last bits."""
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        return torch.float64
     return dtype
+
+
+def round_up(n: int, block: int = SLOT_BLOCK) -> int:
+    return -(-n // block) * block
 
 
 @dataclass
@@ -166,13 +173,14 @@ class KVCache:
 
     @classmethod
     def allocate(cls, config: LlamaConfig, batch: int, slots: int, dtype, device) -> "KVCache":
-        shape = (config.num_layers, batch, config.num_kv_heads, slots, config.head_dim)
+        """At least `slots` slots, rounded up to whole blocks (attention reads whole blocks)."""
+        shape = (config.num_layers, batch, config.num_kv_heads, round_up(slots), config.head_dim)
         return cls(torch.zeros(shape, dtype=dtype, device=device),
                    torch.zeros(shape, dtype=dtype, device=device))
 
     @property
     def slots(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[-2]          # k may also be a list of (B, K, S, D), in training
 
     def keep(self, start: int, idx: torch.Tensor) -> None:
         """Keep slots start + idx (in that order) at start, start + 1, ...; drop the rest.
@@ -185,143 +193,57 @@ class KVCache:
         self.length = start + n
 
 
-class Linear(nn.Linear):
-    """nn.Linear that can also hold a oneDNN-prepacked copy of its weight (see `prepack`)."""
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.packed = None              # derived from weight by prepack(); not saved
-        self.int8 = None                # derived from weight by quantize_int8(); not saved
-
-    def forward(self, x):
-        return linear(x, self.weight, self.bias, self.packed, self.int8)
-
-
-def linear(x, weight, bias=None, packed=None, int8=None):
-    """F.linear, through the int8 copy of the weight when there is one (drafts only, see
-    `quantize_int8`), else through the prepacked weight when there is one and oneDNN is on (see
-    `prepack`; `Llama.forward` switches oneDNN off for the few-row forwards that ATen's kernel
-    runs faster)."""
-    if int8 is not None:
-        q, scales = int8
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), q, scales)
-        y = y.view(*x.shape[:-1], -1)
-        return y if bias is None else y + bias
-    if packed is None or not torch.backends.mkldnn.enabled or torch.compiler.is_compiling():
-        # (torch.compile cannot trace oneDNN's opaque packed tensors; it picks its own kernels)
-        return F.linear(x, weight, bias)
-    rows = x.numel() // x.shape[-1]
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), packed, bias, "none", [], "")
-    return y.view(*x.shape[:-1], -1)
-
-
-def pack(weight: torch.Tensor, rows_hint: int = 16):
-    """weight (out, in) -> its oneDNN-blocked copy, or None where that does not apply."""
-    if not (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
-
-
-def int8_weights(weight: torch.Tensor):
-    """weight (out, in) -> (int8 (out, in), scales (out,)): symmetric per-row quantization, for
-    torch's weight-only int8 kernel; None where that kernel does not apply (CPU, 16/32-bit)."""
-    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16,
-                                                            torch.float16):
-        return None
-    w = weight.detach().float()
-    scales = w.abs().amax(1).clamp(min=1e-12) / 127                     # (out,)
-    q = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
-    return q, scales.to(weight.dtype)
-
-
-def quantize_int8(module: nn.Module) -> int:
-    """Give every Linear in module an int8 copy of its weight, used instead of it from then on.
-
-    For DRAFTS only: a draft decides what is proposed, never what is accepted, so its rounding
-    can cost acceptance but never correctness; the target stays exact. Why: a draft head's
-    matrices are small and cold (the target's pass evicts them), and reading them is most of a
-    drafting round; int8 halves the bytes. Returns the number of bytes added (0 where the
-    kernel does not apply)."""
-    added = 0
-    for layer in module.modules():
-        if isinstance(layer, Linear):
-            layer.int8 = int8_weights(layer.weight)
-            if layer.int8 is not None:
-                layer.packed = None                  # not used any more: free it
-                added += layer.weight.numel() + layer.int8[1].numel() * layer.weight.element_size()
-    return added
-
-
-def prepack(module: nn.Module) -> int:
-    """Give every Linear in module a oneDNN-blocked copy of its weight for forwards of 3+ rows.
-
-    Why: a plain bf16 weight is re-laid-out by oneDNN on every call, so a 9-token tree
-    verification streamed the weights at ~9 GB/s; prepacked they stream at ~16 GB/s, close to
-    the 1-token kernel (~22 GB/s). Measured on the default model (2 cores, AVX512-BF16): a
-    9-token forward 37.7 -> 29.2 ms, 1 token unchanged at 22 ms. The cost is a second copy of
-    the weights. Only for CPU bf16 (elsewhere a no-op); call again after changing weights.
-    Returns the number of bytes added."""
-    added = 0
-    for layer in module.modules():
-        if isinstance(layer, Linear):
-            layer.packed = pack(layer.weight)
-            if layer.packed is not None:
-                added += layer.weight.numel() * layer.weight.element_size()
-    return added
-
-
 class Attention(nn.Module):
     def __init__(self, c: LlamaConfig):
         super().__init__()
         self.c = c
         qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         # q, k and v fused into one matmul: at batch 1 every kernel launch costs.
-        self.wqkv = Linear(c.hidden_size, qkv, bias=c.attention_bias)
-        self.wo = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.wqkv = nn.Linear(c.hidden_size, qkv, bias=c.attention_bias)
+        self.wo = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
 
     def forward(self, x, cos, sin, k_cache, v_cache, start, mask):
-        """x (B, T, C); k_cache, v_cache (B, K, S, D); mask (T, start + T) bool or None (all)."""
+        """x (B, T, C); k_cache, v_cache (B, K, S, D); mask (T, W) or (B, 1, T, W) bool: which
+        of the first W cache slots each new token sees."""
         B, T, _ = x.shape
         H, K = self.c.num_heads, self.c.num_kv_heads
         qkv = self.wqkv(x).view(B, T, H + 2 * K, -1)                   # (B, T, H + 2K, D)
         qk = apply_rope(qkv[:, :, :H + K], cos, sin)                    # q and k in one go
-        q = qk[:, :, :H].transpose(1, 2)                                # (B, H, T, D)
-        k = qk[:, :, H:].transpose(1, 2)                                # (B, K, T, D)
-        v = qkv[:, :, H + K:].transpose(1, 2)                           # (B, K, T, D)
-        k_cache[:, :, start:start + T] = k                              # 16 -> 32 bits on CPU
-        v_cache[:, :, start:start + T] = v
-        keys, values = k_cache[:, :, :start + T], v_cache[:, :, :start + T]   # (B, K, start+T, D)
-        q = q.to(keys.dtype)                        # attend in the cache's dtype (cache_dtype)
-        if B > 1:
-            y = grouped_attention(q, keys, values, mask)
-        else:
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        return self.wo(y.to(x.dtype).transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
+        k_cache[:, :, start:start + T] = qk[:, :, H:].transpose(1, 2)  # (B, K, T, D)
+        v_cache[:, :, start:start + T] = qkv[:, :, H + K:].transpose(1, 2)
+        W = mask.shape[-1]
+        y = attend(qk[:, :, :H], k_cache[:, :, :W], v_cache[:, :, :W], mask)   # (B, T, H, D)
+        return self.wo(y.to(x.dtype).reshape(B, T, -1))                 # (B, T, C)
 
 
-def grouped_attention(q, keys, values, mask):
-    """q (B, H, T, D), keys/values (B, K, S, D), mask (T, S) or (B, 1, T, S) or None -> (B, H, T, D).
+def attend(q, keys, values, mask):
+    """q (B, T, H, D), keys/values (B, K, W, D), mask (T, W) or (B, 1, T, W) -> (B, T, H, D).
 
-    Two matmuls with the query heads of one KV head stacked, instead of SDPA, for batches: on
-    these CPUs in bf16 SDPA's flash kernel takes 5.0 ms for a batch of 32 one-token queries over
-    300 keys (this: 0.9), while SDPA wins at batch 1."""
-    B, H, T, D = q.shape
-    K, S = keys.shape[1], keys.shape[2]
-    scores = q.reshape(B, K, H // K * T, D) @ keys.transpose(-1, -2)    # (B, K, G*T, S)
-    scores = scores.view(B, K, H // K, T, S) * D ** -0.5                # (B, K, G, T, S)
-    if mask is not None:
-        scores = scores.masked_fill(~mask.view(-1, 1, 1, T, S), float("-inf"))
-    wide = torch.promote_types(q.dtype, torch.float32)                  # softmax in >= fp32
-    probs = scores.to(wide).softmax(-1).to(q.dtype).view(B, K, -1, S)   # (B, K, G*T, S)
-    return (probs @ values).view(B, H, T, D)
+    Softmax attention in which a query's result depends only on the slots it sees, not on
+    how many other queries share the call nor where the unseen slots lie: two matmuls
+    (oneDNN's give a row the same value for any number of rows and treat a zero weight as
+    absent) and an exp on whole rows. The softmax's normalizer comes from the second matmul
+    (a column of ones beside the values), not from a sum over the row: a vectorized sum
+    groups terms by their index, so a masked slot between two seen ones would regroup them.
+    The query heads of one KV head are stacked into one matrix (grouped-query attention)."""
+    B, T, H, D = q.shape
+    K, W = keys.shape[1], keys.shape[2]
+    q = (q * D ** -0.5).to(keys.dtype).transpose(1, 2).reshape(B, K, H // K * T, D)
+    scores = (q @ keys.transpose(-1, -2)).view(B, K, H // K, T, W)     # (B, K, G, T, W)
+    wide = torch.promote_types(keys.dtype, torch.float32)
+    scores = scores.to(wide).masked_fill(~mask.view(-1, 1, 1, T, W), float("-inf"))
+    weights = (scores - scores.amax(-1, keepdim=True)).exp().to(keys.dtype)
+    ones = values.new_ones(B, K, W, 1)
+    out = weights.view(B, K, -1, W) @ torch.cat([values, ones], dim=-1)  # (B, K, G*T, D + 1)
+    y = out[..., :D].to(wide) / out[..., D:].to(wide)                   # (B, K, G*T, D)
+    return y.view(B, H, T, D).transpose(1, 2)                           # (B, T, H, D)
 
 
 class MLP(nn.Module):
     def __init__(self, c: LlamaConfig):
         super().__init__()
-        self.w13 = Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)  # gate, up fused
-        self.w2 = Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.w13 = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)  # gate, up fused
+        self.w2 = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.w13(x).chunk(2, dim=-1)
@@ -341,30 +263,6 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-def has_kernel_choice(device, dtype) -> bool:
-    """Whether few-row forwards can run on either ATen's or oneDNN's matrix kernels (see
-    `Llama.aten_rows`): 16-bit models on CPU. Elsewhere one kernel serves all."""
-    return torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16)
-
-
-@contextmanager
-def onednn(enabled: bool):
-    """Switch torch's oneDNN (mkldnn) CPU kernels on or off for the duration of a block.
-
-    Which is faster for few rows depends on the CPU (see `Llama.aten_rows`). Measured, all of
-    the default model's matrices in bf16, on 2 cores of an AMD EPYC (AVX512-BF16, no AMX): for
-    1 token ATen's own kernel takes 9.9 ms and oneDNN 22.4; for 2 tokens 15.5 vs 22.3; for 4
-    tokens 29.9 vs 22.7, and oneDNN wins by more from there on. On 2 cores of an Intel Xeon
-    with AMX, whole forwards: 1 token 26.3 ms (ATen) vs 23.7 (oneDNN, prepacked), 2 tokens 34.7
-    vs 24.7."""
-    old = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = enabled
-    try:
-        yield
-    finally:
-        torch.backends.mkldnn.enabled = old
-
-
 class Llama(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -372,14 +270,10 @@ class Llama(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-        # Forwards of up to this many rows (batch x tokens) run ATen's own matrix kernels with
-        # oneDNN off, in 16 bits on CPU, where that is faster than oneDNN's (prepacked) ones: 2 on
-        # an AMD EPYC, 0 on an Intel Xeon with AMX. spec.py measures it once per machine.
-        self.aten_rows = 2
+        self.rope = Rope(config)
 
     def forward(self, tokens, positions, cache: KVCache, mask=None, last_only=False, taps=(),
                 project=True):
@@ -397,19 +291,17 @@ class Llama(nn.Module):
         start = cache.length
         if start + T > cache.slots:
             raise ValueError(f"KV cache full: {start} + {T} tokens > {cache.slots} slots")
-        full_mask = attention_mask(start, T, mask, tokens.device)
-        cos, sin = rope_cos_sin(self.inv_freq, positions.expand(B, T), self.embed.weight.dtype)
+        seen = attention_mask(start, T, mask, min(round_up(start + T), cache.slots), tokens.device)
         x = self.embed(tokens)                                          # (B, T, C)
-        few = B * T <= self.aten_rows and has_kernel_choice(x.device, x.dtype)
+        cos, sin = self.rope(positions.expand(B, T), x.dtype)
         tapped = []
-        with onednn(enabled=not few):
-            for i, layer in enumerate(self.layers):
-                x = layer(x, cos, sin, cache.k[i], cache.v[i], start, full_mask)
-                if i in taps:
-                    tapped.append(x)
-            hidden = self.norm(x)
-            logits = (self.lm_head(hidden[:, -1:] if last_only else hidden)  # (B, T or 1, V)
-                      if project else None)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], start, seen)
+            if i in taps:
+                tapped.append(x)
+        hidden = self.norm(x)
+        logits = (self.lm_head(hidden[:, -1:] if last_only else hidden)  # (B, T or 1, V)
+                  if project else None)
         cache.length = start + T
         return logits, torch.cat(tapped + [hidden], dim=-1) if taps else hidden
 
@@ -419,49 +311,29 @@ class Llama(nn.Module):
                                 cache_dtype(w.dtype, w.device), w.device)
 
 
-def compiled(module: nn.Module, few_rows: int | None = None) -> nn.Module:
+class Rope(nn.Module):
+    """RoPE's cos and sin by position, looked up in tables built once (see `rope_tables`)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        cos, sin = rope_tables(rope_inv_freq(config), config.max_positions)
+        self.register_buffer("cos", cos, persistent=False)            # (P, D) float32
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, positions, dtype) -> tuple:
+        """positions (B, T) -> cos, sin (B, T, 1, D) in dtype."""
+        return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
+
+
+def compiled(module: nn.Module) -> nn.Module:
     """A copy of module that shares its weights and runs its decoder Blocks through torch.compile.
 
     The module itself stays eager, so a benchmark can time both in one run. Every Block is one
     graph with its weights as inputs, so the 30 layers of the default model compile once
     (seconds), not 30 times. Shapes are symbolic (dynamic=True): the cached prefix grows every
-    step. Forwards that prepacked weights serve (CPU bf16: more rows than the model's
-    `aten_rows`) stay eager: inductor cannot use the packed copies, and its own kernels measured
-    slower there (see CompiledBlock). few_rows: that threshold for a module that is no Llama
-    (an EAGLE head): the target's."""
-    rows = getattr(module, "aten_rows", 2) if few_rows is None else few_rows
-    return shallow_copy(module, lambda m: CompiledBlock(m, rows) if isinstance(m, Block) else None)
-
-
-def compiles_trees(module: nn.Module) -> bool:
-    """Whether compiled(module) runs forwards of 3+ rows (trees) compiled: only where no weight
-    is prepacked. Callers pad trees to one shape for the compiler only then."""
-    return all(m.packed is None for m in module.modules() if isinstance(m, Linear))
-
-
-class CompiledBlock(nn.Module):
-    """A Block through torch.compile, except forwards that prepacked weights serve faster.
-
-    Measured on the default model (2 cores, bf16, MT-bench bench): compiled one-token decoding
-    1.18x faster than eager (fused norms, RoPE and residuals, less per-op overhead), but a
-    compiled 5-9 token verify ~1.3x slower than the eager one with prepacked oneDNN weights.
-    On an Intel Xeon with AMX, where prepacked weights serve even one token (aten_rows 0),
-    compiled one-token decoding measured 0.78x eager, so there nothing runs compiled.
-    Build it after prepack(): whether trees run compiled is decided here, once.
-    few_rows: forwards of up to this many rows run compiled where weights are prepacked."""
-
-    def __init__(self, block: Block, few_rows: int = 2):
-        super().__init__()
-        self.block, self.trees, self.few_rows = block, compiles_trees(block), few_rows
-        plain = shallow_copy(block)       # same weights, no packed copies: one set of guards
-        for m in plain.modules():
-            if isinstance(m, Linear):
-                m.packed = None
-        self.fast = torch.compile(plain, dynamic=True)
-
-    def forward(self, x, *args):
-        B, T, _ = x.shape
-        return (self.fast if self.trees or B * T <= self.few_rows else self.block)(x, *args)
+    step, and trees change size."""
+    return shallow_copy(module, lambda m: torch.compile(m, dynamic=True)
+                        if isinstance(m, Block) else None)
 
 
 def shallow_copy(module: nn.Module, stand_in=lambda m: None) -> nn.Module:
@@ -505,7 +377,6 @@ def random_model(name: str, dtype=torch.float32, device="cpu") -> Llama:
             model = Llama(copy.deepcopy(SHAPES[name]))
     finally:
         torch.set_default_dtype(default)
-    model.inv_freq = rope_inv_freq(model.config).to(device)
     return model.eval()
 
 
@@ -653,5 +524,5 @@ def load_model(folder: str, dtype=torch.float32, device="cpu") -> Llama:
     model.load_state_dict(to_our_names(tensors, config), assign=True)
     if config.tie_embeddings:
         model.lm_head.weight = model.embed.weight
-    model.inv_freq = rope_inv_freq(config)
+    model.rope = Rope(config)                 # built on the meta device above: build it for real
     return model.to(device).eval()

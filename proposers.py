@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import target_probs, sample
-from model import Llama, LlamaConfig, int8_weights, linear, pack
+from model import Llama, LlamaConfig
 from tree import Tree, add_chain, ancestor_mask, best_nodes, chain, grow_tree
 
 
@@ -80,7 +80,7 @@ def truncated_draft(target: Llama, layers: int) -> Llama:
         draft = Llama(config)
     draft.embed, draft.norm, draft.lm_head = target.embed, target.norm, target.lm_head
     draft.layers = torch.nn.ModuleList(target.layers[:layers])
-    draft.inv_freq = target.inv_freq
+    draft.rope = target.rope
     return draft.eval()
 
 
@@ -104,23 +104,22 @@ class DraftModelProposer:
     Its KV cache holds the committed tokens; tokens the target accepted that the draft never fed
     itself wait in `pending` and go in with the next proposal."""
 
-    def __init__(self, model: Llama, config: DraftConfig, slots: int, vocab_ids=None):
+    def __init__(self, model: Llama, config: DraftConfig, slots: int, vocab_ids=None, proj=None):
         """slots: the draft cache's size; it holds the committed tokens plus at most
         1 + (depth - 1) * top_k tree nodes fed during one proposal. vocab_ids (R,): greedy
         drafts choose among these target ids only, projecting onto R of the lm_head's V rows
-        (on a small draft the projection is most of a forward's cost); None: all V. A sampled
-        chain always draws from the whole distribution."""
+        (on a small draft the projection is most of a forward's cost) with `proj` (a module
+        C -> R; default heads.projection of the draft); None: all V. A sampled chain always
+        draws from the whole distribution."""
         from heads import projection
         self.model, self.config, self.slots = model, config, slots
         self.device = model.embed.weight.device
         self.max_nodes = config.total + 1            # verified nodes per step, root included
         self.taps = ()                               # reads no target features
         self.vocab_ids = None if vocab_ids is None else vocab_ids.cpu()
+        self.proj = None
         if vocab_ids is not None:
-            self.proj = projection(model, vocab_ids)                        # (R, C)
-            # a prepacked copy (CPU bf16; model.linear takes it for any row count) only for
-            # trees: a chain projects one row a time, measured no faster with it (+9 MB)
-            self.packed = pack(self.proj) if config.top_k > 1 else None
+            self.proj = proj if proj is not None else projection(model, vocab_ids)   # C -> R
 
     def logits(self, ids, pos, mask=None, full=False, last_only=False) -> torch.Tensor:
         """Feed (1, T) tokens into the draft's cache -> (T, V) logits (last_only: (1, V)), or
@@ -128,7 +127,7 @@ class DraftModelProposer:
         if self.vocab_ids is None or full:
             return self.model(ids, pos, self.cache, mask, last_only)[0][0]
         _, hidden = self.model(ids, pos, self.cache, mask, project=False)    # (1, T, C)
-        return linear(hidden[0, -1:] if last_only else hidden[0], self.proj, packed=self.packed)
+        return self.proj(hidden[0, -1:] if last_only else hidden[0])
 
     def start(self, prompt_ids: list, hidden=None) -> None:
         self.cache = self.model.new_cache(1, self.slots)
@@ -198,27 +197,11 @@ class DraftModelProposer:
         self.pending = tree.tokens[accepted[n_fed:].cpu()].tolist()
 
 
-def draft_projection(target: Llama, vocab_ids: torch.Tensor, int8: bool) -> tuple:
-    """The target's lm_head rows of a draft vocabulary, as model.linear takes them ->
-    (rows (R, C) or None, prepacked copy or None, int8 copy or None). With int8 (where the
-    kernel applies) only the int8 copy is kept: nothing reads the 16-bit rows then."""
-    from heads import projection
-    rows = projection(target, vocab_ids)                                    # (R, C)
-    q = int8_weights(rows) if int8 else None
-    if q is not None:
-        return None, None, q
-    return rows, pack(rows), None                        # prepacked: CPU bf16 only, else None
-
-
-def projection_bytes(proposer) -> int:
-    """Memory a proposer's reduced-vocabulary projection adds beside the target: the copies of
-    the lm_head's R rows it keeps (16-bit, prepacked, int8; 0 without a projection)."""
-    proj, packed, int8 = (getattr(proposer, name, None) for name in ("proj", "packed", "int8"))
-    total = 0 if proj is None else proj.numel() * proj.element_size() * (1 if packed is None else 2)
-    if int8 is not None:
-        q, scales = int8
-        total += q.numel() + scales.numel() * scales.element_size()
-    return total
+def module_bytes(module) -> int:
+    """Bytes of a module's parameters and buffers (0 for None)."""
+    if module is None:
+        return 0
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
 class PromptLookupProposer:
@@ -273,12 +256,13 @@ class EagleProposer:
     EAGLE-2 (static=None) grows the tree with tree.grow_tree; EAGLE uses a fixed StaticTree."""
 
     def __init__(self, target: Llama, head, config: DraftConfig, slots: int, static=None,
-                 int8: bool = False):
-        """int8: draft through an int8 copy of the projection (see model.quantize_int8; the
-        head's own layers are quantized by the caller)."""
+                 proj=None):
+        """proj: the projection onto the draft vocabulary, a module C -> R (default
+        heads.projection; spec.py may pass a quantized one)."""
+        from heads import projection
         self.target, self.head, self.config, self.static = target, head, config, static
         self.slots, self.device = slots, target.embed.weight.device
-        self.proj, self.packed, self.int8 = draft_projection(target, head.vocab_ids, int8)
+        self.proj = proj if proj is not None else projection(target, head.vocab_ids)
         self.vocab_ids = head.vocab_ids.cpu()
         self.max_nodes = (static.parents.shape[0] if static is not None else config.total + 1)
         self.taps = head.taps                   # target layers whose outputs the head reads
@@ -289,8 +273,7 @@ class EagleProposer:
 
     def logp(self, feats: torch.Tensor) -> torch.Tensor:
         """(F, C) predicted features -> (F, R) log-probabilities over the draft vocabulary."""
-        return torch.log_softmax(linear(feats, self.proj, packed=self.packed, int8=self.int8)
-                                 .float(), dim=-1)
+        return torch.log_softmax(self.proj(feats).float(), dim=-1)
 
     def feed(self, feats, tokens, positions, mask=None) -> torch.Tensor:
         """(T, C) features, (T,) tokens and positions -> (T, C) predicted next features."""
@@ -358,12 +341,13 @@ class MedusaProposer:
     """Medusa: M heads read the target's feature of the last accepted token at once; the static
     tree's node at depth d and rank r is head d's r-th most likely token (Cai et al. 2024)."""
 
-    def __init__(self, target: Llama, head, static, int8: bool = False):
-        """int8: draft through an int8 copy of the projection (see model.quantize_int8; the
-        heads' own blocks are quantized by the caller)."""
+    def __init__(self, target: Llama, head, static, proj=None):
+        """proj: the shared projection onto the draft vocabulary, a module C -> R (default
+        heads.projection); unused by heads with their own projections."""
+        from heads import projection
         self.head, self.static = head, static
-        self.proj, self.packed, self.int8 = (draft_projection(target, head.vocab_ids, int8)
-                                             if head.proj is None else (None, None, None))
+        self.proj = None if head.proj is not None else (
+            proj if proj is not None else projection(target, head.vocab_ids))
         self.vocab_ids = head.vocab_ids.cpu()
         self.max_nodes = static.parents.shape[0]
         self.taps = ()                                # the final feature only
@@ -375,7 +359,7 @@ class MedusaProposer:
 
     def propose(self, root: int, gen, generator) -> tuple:
         st = self.static
-        logits = self.head.logits(self.feature, self.proj, self.packed, self.int8)  # (M, R)
+        logits = self.head.logits(self.feature, self.proj)                  # (M, R)
         top = logits.topk(int(st.ranks.max()) + 1).indices.cpu()            # (M, ranks)
         tokens = self.vocab_ids[top[(st.depths - 1).clamp(min=0), st.ranks]]
         tokens[0] = root

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import accept_chain_sampled, accept_tree, next_tokens, target_probs
+from kernels import accept_chain_sampled, accept_tree, next_tokens, target_probs, uniform
 from tree import ancestor_mask, pad_inputs, positions, retrieve_indices
 
 DEFAULT_PROMPT = "What is the capital of France?"
@@ -61,13 +61,21 @@ class Result:
         return len(self.token_ids) / max(self.target_forwards, 1)
 
 
-def take(result: Result, new: list, stop_ids, limit: int) -> bool:
-    """Append new tokens up to a stop token or the limit; True when generation is over."""
-    for t in new:
+def take(result: Result, new: list, stop_ids, limit: int) -> tuple:
+    """Append new tokens up to a stop token or the limit -> (how many were taken, whether
+    generation is over). What is streamed is what was taken: never past the cut."""
+    for i, t in enumerate(new):
         result.token_ids.append(t)
         if t in stop_ids or len(result.token_ids) >= limit:
-            return True
-    return False
+            return i + 1, True
+    return len(new), False
+
+
+def draws(gen: GenConfig, positions) -> torch.Tensor | None:
+    """The uniforms that decide the target's tokens at these absolute positions (None: greedy)."""
+    if gen.temperature == 0:
+        return None
+    return torch.tensor([uniform(gen.seed, int(t)) for t in positions], dtype=torch.float64)
 
 
 def check_room(model, prompt_ids: list, gen: GenConfig, extra: int = 0) -> int:
@@ -84,7 +92,6 @@ def check_room(model, prompt_ids: list, gen: GenConfig, extra: int = 0) -> int:
 def generate_ar(model, prompt_ids: list, gen: GenConfig, stop_ids=(), on_tokens=None) -> Result:
     """Plain decoding: one target forward per token."""
     device = model.embed.weight.device
-    generator = torch.Generator(device).manual_seed(gen.seed)
     cache = model.new_cache(1, check_room(model, prompt_ids, gen))
     result, t0 = Result(), time.perf_counter()
     ids = torch.tensor([prompt_ids], device=device)
@@ -92,8 +99,9 @@ def generate_ar(model, prompt_ids: list, gen: GenConfig, stop_ids=(), on_tokens=
     while True:
         logits, _ = model(ids, pos, cache, last_only=True)
         result.target_forwards += 1
-        token = int(next_tokens(logits[0, -1], gen.temperature, gen.top_p, generator))
-        done = take(result, [token], stop_ids, gen.max_new_tokens)
+        u = draws(gen, [cache.length])                      # the token's own position
+        token = int(next_tokens(logits[0, -1], gen.temperature, gen.top_p, u))
+        _, done = take(result, [token], stop_ids, gen.max_new_tokens)
         if on_tokens:
             on_tokens([token], [False])
         if done or cache.length >= model.config.max_positions:
@@ -104,14 +112,16 @@ def generate_ar(model, prompt_ids: list, gen: GenConfig, stop_ids=(), on_tokens=
     return result
 
 
-def verify(logits, tree, mask, q, gen: GenConfig, generator) -> tuple:
-    """Accepted node indices (root first) and the target's next token, from the tree pass."""
+def verify(logits, tree, mask, pos, q, gen: GenConfig, generator) -> tuple:
+    """Accepted node indices (root first) and the target's next token, from the tree pass.
+    pos (N,): the nodes' positions; node n's choice is the target's token at pos[n] + 1."""
     if q is not None:                       # a chain sampled from the draft's q
         p = target_probs(logits, gen.temperature, gen.top_p)              # (K + 1, V)
         n, bonus = accept_chain_sampled(tree.tokens[1:].to(p.device), p, q.to(p.device), generator)
         n = int(n)
         return torch.arange(n + 1), int(bonus)
-    choice = next_tokens(logits, gen.temperature, gen.top_p, generator).cpu()   # (N,)
+    u = draws(gen, (pos + 1).tolist())
+    choice = next_tokens(logits, gen.temperature, gen.top_p, u).cpu()        # (N,)
     path, n, bonus = accept_tree(tree.tokens, retrieve_indices(mask, tree.depths), choice)
     return path[:int(n) + 1], int(bonus)
 
@@ -121,7 +131,9 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
                   on_tokens=None, on_step=None, pad: bool = False) -> Result:
     """Speculative decoding: prefill, then loop { propose, verify, accept, commit cache }.
 
-    pad: verify every tree padded to the proposer's most nodes (one shape for torch.compile)."""
+    pad: verify every tree padded to the proposer's most nodes (one shape for torch.compile).
+    The generator serves only drafts that sample (and Leviathan's acceptance of them); the
+    target's own draws are keyed on position (see `draws`)."""
     device = target.embed.weight.device
     generator = torch.Generator(device).manual_seed(gen.seed)
     max_nodes = proposer.max_nodes
@@ -132,8 +144,9 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
                             torch.arange(len(prompt_ids), device=device)[None], cache,
                             last_only=True, taps=taps)
     result.target_forwards = 1
-    root = int(next_tokens(logits[0, -1], gen.temperature, gen.top_p, generator))
-    done = take(result, [root], stop_ids, gen.max_new_tokens)
+    u = draws(gen, [cache.length])
+    root = int(next_tokens(logits[0, -1], gen.temperature, gen.top_p, u))
+    _, done = take(result, [root], stop_ids, gen.max_new_tokens)
     if on_tokens:
         on_tokens([root], [False])
     proposer.start(prompt_ids, hidden[0])
@@ -150,15 +163,15 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
                                 taps=taps)
         logits, hidden = logits[:, :tree.size], hidden[:, :tree.size]    # pads dropped
         result.target_forwards += 1
-        accepted, root = verify(logits[0], tree, mask, q, gen, generator)
+        accepted, root = verify(logits[0], tree, mask, pos[:tree.size], q, gen, generator)
         cache.keep(start, accepted)                  # keep the accepted path's slots, in order
         proposer.commit(tree, accepted, hidden[0])
         new = tree.tokens[accepted[1:]].tolist() + [root]
         result.accepted.append(len(new) - 1)
         result.drafted.append(tree.size - 1)
-        done = take(result, new, stop_ids, gen.max_new_tokens)
+        taken, done = take(result, new, stop_ids, gen.max_new_tokens)
         if on_tokens:
-            on_tokens(new, [True] * (len(new) - 1) + [False])
+            on_tokens(new[:taken], ([True] * (len(new) - 1) + [False])[:taken])
         if on_step:                                  # --show-tree
             on_step(tree, accepted.tolist(), root)
     result.seconds = time.perf_counter() - t0
@@ -187,20 +200,30 @@ def pick_device(name: str | None) -> str:
     return "mps" if torch.backends.mps.is_available() else "cpu"
 
 
+def weight_forms(args) -> tuple:
+    """(--weights for the decoder's matrices, for the lm_head). auto: the default model's
+    matrices as the int4 blocks its file holds (16-bit, CPU), any other checkpoint as it is;
+    a quantized model's lm_head in int8 (measured: docs/RESULTS.md)."""
+    form = args.weights
+    if form == "auto":
+        default = args.model is None or args.model.startswith(RANDOM)
+        form = ("int4" if default and args.dtype in ("bfloat16", "float16")
+                and torch.device(args.device).type == "cpu" else "float")
+    return form, "int8" if form != "float" else "float"
+
+
 def load_target(args):
     from default_model import default_model_path
-    from model import load_model, prepack, random_model
+    from model import load_model, random_model
+    from quantize import quantize
     from tokenizer import load_tokenizer
     dtype = getattr(torch, args.dtype)
+    form, head_form = weight_forms(args)
     if args.model and args.model.startswith(RANDOM):     # timing only: no files, no tokenizer
         target = random_model(args.model.removeprefix(RANDOM), dtype, args.device)
-        prepack(target)
-        target.aten_rows = choose_aten_rows(args, target)
-        return args.model, target, None
+        return args.model, quantize(target, form, head_form), None
     path = args.model or default_model_path(args.cache_dir)
-    target = load_model(path, dtype, args.device)
-    prepack(target)         # CPU bf16 only: tree verification ~1.3x faster for a 2nd weight copy
-    target.aten_rows = choose_aten_rows(args, target)      # which kernel for 1-2 tokens, measured
+    target = quantize(load_model(path, dtype, args.device), form, head_form)
     return path, target, load_tokenizer(path)
 
 
@@ -208,8 +231,9 @@ def build_proposer(args, target, tokenizer, slots):
     from default_model import cache_dir, default_model_path
     from heads import draft_folder, load_draft_vocab
     from model import compiled, load_model
-    from proposers import (DraftConfig, DraftModelProposer, PromptLookupProposer,
-                           projection_bytes, truncated_draft)
+    from proposers import DraftConfig, DraftModelProposer, PromptLookupProposer, module_bytes
+    from proposers import truncated_draft
+    from quantize import quantize
     from tokenizer import load_tokenizer
     if args.method in ("medusa", "eagle", "eagle2"):
         return head_proposer(args, target, slots, tokenizer)
@@ -241,18 +265,21 @@ def build_proposer(args, target, tokenizer, slots):
         if why:
             raise ValueError(f"draft and target tokenizers differ: {why}. A draft must share the "
                              "target's exact tokenizer, or its tokens mean other words")
-        draft = share_embeddings(load_model(folder, target.embed.weight.dtype, args.device), target)
+        draft = load_model(folder, target.embed.weight.dtype, args.device)
+        draft = share_embeddings(quantize(draft, draft_form(args, draft)), target)
         vocab = None if args.full_draft_vocab else load_draft_vocab(name, target.config.vocab_size)
-    draft.aten_rows = target.aten_rows              # the same machine's few-row kernel choice
+    params = sum(p.numel() for p in draft.parameters())
     if args.compile:
         draft = compiled(draft)
-    own = {id(p) for p in target.parameters()}
-    extra = sum(p.numel() * p.element_size() for p in draft.parameters() if id(p) not in own)
-    proposer = DraftModelProposer(draft, config, slots, vocab)
-    extra += projection_bytes(proposer)
+    own = {id(t) for t in [*target.parameters(), *target.buffers()]}
+    extra = sum(t.numel() * t.element_size() for t in [*draft.parameters(), *draft.buffers()]
+                if id(t) not in own)
+    proj = None if vocab is None else draft_projection(args, target, vocab)
+    proposer = DraftModelProposer(draft, config, slots, vocab, proj)
+    extra += module_bytes(proposer.proj)
     if vocab is not None:
         name += f" (greedy drafts over {len(vocab):,} tokens)"
-    info = {"draft": name, "draft_params": sum(p.numel() for p in draft.parameters()),
+    info = {"draft": name, "draft_params": params,
             "draft_memory_mb": round(extra / 2**20, 1)}
     return proposer, info
 
@@ -262,10 +289,28 @@ def share_embeddings(draft, target):
     distilled draft keeps the target's frozen one, and a second copy would cost memory."""
     w = target.embed.weight
     if draft.embed.weight.shape == w.shape and torch.equal(draft.embed.weight, w):
-        draft.embed.weight = w
+        draft.embed = target.embed
         if draft.config.tie_embeddings and target.config.tie_embeddings:
-            draft.lm_head.weight = w
+            draft.lm_head = target.lm_head
     return draft
+
+
+def draft_form(args, module) -> str:
+    """Drafts (heads, the draft model, their projections) run int8 where the kernel applies
+    (--draft-int8): a draft decides what is proposed, never what is accepted, so its rounding
+    can cost acceptance but never exactness; their matrices are small and cold, and reading
+    them is most of a drafting round."""
+    p = next(module.parameters())
+    usable = p.device.type == "cpu" and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return "int8" if args.draft_int8 and usable else "float"
+
+
+def draft_projection(args, target, vocab_ids):
+    """The target's lm_head rows of a draft vocabulary, as a module C -> R in the drafts' form."""
+    from heads import projection
+    from quantize import convert
+    proj = projection(target, vocab_ids)
+    return convert(proj, draft_form(args, proj), "the draft vocabulary's projection")
 
 
 HEAD_KIND = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle", "eagle2+ngram": "eagle"}
@@ -297,16 +342,18 @@ def head_proposer(args, target, slots, tokenizer, extra: int = 0):
     """Medusa / EAGLE / EAGLE-2 from a trained head folder (default: the shipped weights).
     extra: tokens verified beside the head's tree each step (a lookup chain), for auto's costs."""
     from heads import best_paths, load_head
-    from model import compiled, prepack, quantize_int8
-    from proposers import DraftConfig, EagleProposer, MedusaProposer, projection_bytes
+    from model import compiled
+    from proposers import DraftConfig, EagleProposer, MedusaProposer, module_bytes
+    from quantize import quantize
     from tree import static_tree
     kind = HEAD_KIND[args.method]
     folder = head_folder(args.head, kind)
     head, config = load_head(folder, target, kind)
-    int8 = args.draft_int8
-    added = quantize_int8(head) if int8 else prepack(head)              # bytes it added
+    params = sum(p.numel() for p in head.parameters())
+    head = quantize(head, draft_form(args, head))
+    proj = draft_projection(args, target, head.vocab_ids)
     if args.compile:
-        head = compiled(head, target.aten_rows)              # compiled where eager is slower
+        head = compiled(head)
     depth, top_k = args.num_speculative_tokens, args.draft_top_k
     # measured P(rank r right | path right) by depth; EAGLE-2 only ever drafts ranks < top_k
     accuracy = [row[:top_k] if args.method == "eagle2" else row for row in config.accuracy[:depth]]
@@ -314,12 +361,12 @@ def head_proposer(args, target, slots, tokenizer, extra: int = 0):
     def make(size: int, rule=None):
         if args.method == "eagle2":                # with a rule: `size` is the most per step
             return EagleProposer(target, head, DraftConfig(depth, top_k, size, rule), slots,
-                                 int8=int8)
+                                 proj=proj)
         if not accuracy:
             raise ValueError(f"{folder}/config.json has no measured accuracy to build a tree from")
         tree = static_tree(best_paths(accuracy, size))
-        return (MedusaProposer(target, head, tree, int8) if kind == "medusa" else
-                EagleProposer(target, head, DraftConfig(depth), slots, tree, int8=int8))
+        return (MedusaProposer(target, head, tree, proj) if kind == "medusa" else
+                EagleProposer(target, head, DraftConfig(depth), slots, tree, proj=proj))
 
     rule = None
     if args.tree_size == "auto":
@@ -327,9 +374,8 @@ def head_proposer(args, target, slots, tokenizer, extra: int = 0):
     else:
         size = args.tree_size or depth * top_k                        # 0: as --help says
     proposer = make(per_step_most(depth, top_k) if rule else size, rule)
-    memory = (sum(p.numel() * p.element_size() for p in head.parameters()) + added
-              + projection_bytes(proposer))
-    return proposer, {"draft": folder, "draft_params": sum(p.numel() for p in head.parameters()),
+    memory = module_bytes(head) + module_bytes(proposer.proj)
+    return proposer, {"draft": folder, "draft_params": params,
                       "draft_memory_mb": round(memory / 2**20, 1), "tree_size": size,
                       "per_step": rule is not None}
 
@@ -355,7 +401,6 @@ def auto_tree_size(args, target, tokenizer, accuracy, make, extra: int = 0) -> t
     -> (size, rule): for EAGLE-2 also a proposers.SizeRule that chooses the size again at every
     step from the draft's own scores, at the rate this size predicts; None for static trees."""
     from heads import choose_tree_size, expected_length, verify_cost
-    from model import compiles_trees
     from proposers import SizeRule
     if not accuracy:
         raise ValueError("--tree-size auto needs the head's measured accuracy table (config.json)")
@@ -374,7 +419,7 @@ def auto_tree_size(args, target, tokenizer, accuracy, make, extra: int = 0) -> t
         mark = "  <- chosen" if n == size else ""
         print(f"{n:6d}{drafting[n]:10.1f}{verify_ms[n]:11.1f}{expected[n]:11.2f}{speed[n]:8.1f}"
               f"{mark}", file=sys.stderr)
-    if args.method != "eagle2" or (args.compile and compiles_trees(target)):
+    if args.method != "eagle2" or args.compile:
         return size, None             # static trees; or every tree padded to one compiled shape
     most = per_step_most(args.num_speculative_tokens, args.draft_top_k)
     rule = SizeRule([verify_cost(costs, k) for k in range(most + extra + 2)],
@@ -427,23 +472,23 @@ def machine_name(device: str) -> str:
     return f"{name} x{torch.get_num_threads()}"
 
 
-COSTS_VERSION = "v4"      # bumped when the model's kernels or the timing change (v2: 1-query
-                          # float32 attention; v3: float32 KV cache and attention, RMSNorm in the
-                          # reference's roundings; v4: sizes timed in turns, see forward_costs)
+COSTS_VERSION = "v5"      # bumped when the model's kernels or the timing change (v5: one
+                          # kernel per layer whatever the rows, weight forms, block attention)
 
 
 def verify_costs(args, model) -> dict:
     """{k: ms} of a target forward over k tokens, measured once per machine, model, dtype,
-    torch version and few-row kernel, and cached (see `measured_once`)."""
-    what = "verify ms" + (" compiled" if args.compile else "") + f" aten_rows={model.aten_rows}"
+    weight form and torch version, and cached (see `measured_once`). They choose tree sizes
+    only: with kernels that give a row the same bits in any call, no timing changes a token."""
+    what = "verify ms" + (" compiled" if args.compile else "") + f" weights={weight_forms(args)[0]}"
     costs = measured_once(args, what, lambda: forward_costs(model, COST_SIZES))
     return {int(k): v for k, v in costs.items()}
 
 
 def measured_once(args, what: str, measure):
     """measure() -> a JSON value, run once per machine, torch version, dtype and model and
-    cached by `what` in the cache folder (verify-costs.json): timings decide kernels and tree
-    sizes, and a decision that flipped with the noise between runs would change bf16 outputs."""
+    cached by `what` in the cache folder (verify-costs.json): timings decide tree sizes, and
+    sizes that flipped with the noise between runs would make runs hard to compare."""
     key = costs_key(args) + " | " + what
     path, table = read_costs(args)
     if key not in table:
@@ -452,7 +497,7 @@ def measured_once(args, what: str, measure):
         cores = os.cpu_count() or 1
         if load > cores:        # other work competing for the cores skews what gets cached
             print(f"warning: this machine looks busy (load {load:.1f} on {cores} cores); the "
-                  f"timings measured now are kept and decide kernels and tree sizes: rerun with "
+                  f"timings measured now are kept and decide tree sizes: rerun with "
                   f"--measure-again when it is idle", file=sys.stderr)
         table[key] = json.loads(json.dumps(measure()))     # as read back later: string keys
         write_costs(path, table)
@@ -494,39 +539,6 @@ def forget_costs(args) -> None:
     kept = {k: v for k, v in table.items() if not k.startswith(prefix)}
     if len(kept) < len(table):
         write_costs(path, kept)
-
-
-def choose_aten_rows(args, model) -> int:
-    """Up to how many rows a forward runs faster on ATen's own matrix kernels than on oneDNN's
-    prepacked ones here (`Llama.aten_rows`): 0, 1 or 2. Only 16-bit CPU models have the choice."""
-    from model import has_kernel_choice
-    w = model.embed.weight
-    if not has_kernel_choice(w.device, w.dtype):
-        return model.aten_rows
-
-    def measure():
-        import statistics
-        old, runs = model.aten_rows, {0: [], 2: []}
-        try:
-            for _ in range(9):              # the two kernels in turns, as in forward_costs
-                for rows in runs:
-                    model.aten_rows = rows
-                    runs[rows].append(forward_costs(model, (1, 2), repeats=1))   # {k: ms}
-        finally:
-            model.aten_rows = old
-        return {rows: {k: statistics.median(r[k] for r in rs) for k in (1, 2)}
-                for rows, rs in runs.items()}
-    ms = measured_once(args, "ms of 1-2 tokens on each kernel", measure)   # JSON: string keys
-    return fastest_rows(*({int(k): v for k, v in ms[rows].items()} for rows in ("2", "0")))
-
-
-def fastest_rows(aten: dict, onednn: dict) -> int:
-    """{k: ms} of k-row forwards on ATen's kernels and on oneDNN's -> the largest n in 0..2
-    such that ATen is faster for every k <= n."""
-    n = 0
-    while n < 2 and aten[n + 1] < onednn[n + 1]:
-        n += 1
-    return n
 
 
 @torch.inference_mode()                 # timed as decoding runs: without autograd's bookkeeping
@@ -598,26 +610,30 @@ def parse_args(argv=None):
                                    "--verify-curve also random:SHAPE, random weights of a known "
                                    "shape (" + ", ".join(SHAPES) + ")")
     p.add_argument("--measure-again", action="store_true",
-                   help="time the target's forwards (kernel choice, verify costs) again on this "
-                        "machine instead of reading the cached timings; do it on an idle machine")
+                   help="time the target's forwards (the verify costs --tree-size auto reads) "
+                        "again on this machine instead of reading the cached timings; do it on "
+                        "an idle machine")
     p.add_argument("--cache-dir", help="where the default model is converted to "
                                        "(default: $SPEC_CACHE_DIR or ~/.cache/spec-decode)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"],
-                   default="bfloat16", help="weights and activations dtype (bfloat16: about 2x "
-                   "faster than float32 on these CPUs; float32 for exact greedy equality)")
+                   default="bfloat16", help="activations dtype, and the weights' where they stay "
+                   "float (bfloat16: fast on CPU, and what int4/int8 weights need to be fast)")
+    p.add_argument("--weights", choices=["auto", "float", "int8", "int4"], default="auto",
+                   help="form of the target's matrices: float (the checkpoint's own, in --dtype), "
+                        "int8 (per row), int4 (groups of 32, llama.cpp's Q4_1 blocks), through "
+                        "torch's weight-only CPU kernels; a quantized model's lm_head is int8. "
+                        "auto: int4 for the default model (its file holds Q4_1 blocks, so they "
+                        "come back exactly) in 16 bits on CPU, float otherwise")
     p.add_argument("--device", help="cpu, cuda, mps (default: the best available)")
     p.add_argument("--draft-int8", action=argparse.BooleanOptionalAction, default=True,
-                   help="EAGLE and Medusa heads: draft through int8 copies of the head's and "
-                        "its projection's weights (torch's weight-only int8 kernel; CPU, "
-                        "16/32-bit; on by default: EAGLE-2 1.59x -> 1.63x on an Intel Xeon, "
-                        "within noise on an AMD EPYC; under half the added memory). A draft "
-                        "only decides what is proposed, so decoding stays lossless")
+                   help="drafts (EAGLE and Medusa heads, the draft model, their projections onto "
+                        "the draft vocabulary) run int8 weights (torch's weight-only int8 "
+                        "kernel; CPU, 16/32-bit). A draft only decides what is proposed, so "
+                        "decoding stays lossless")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decoder layers of the target and of the draft or "
-                        "head (one-token steps measured 1.09-1.18x faster here; on CPU bf16 "
-                        "trees stay on the eager prepacked weights, elsewhere they are padded "
-                        "to one size); with --bench, every method also runs compiled "
-                        "(METHOD+compile rows) beside eager")
+                        "head (trees are padded to one size); with --bench, every method also "
+                        "runs compiled (METHOD+compile rows) beside eager")
     p.add_argument("--json", nargs="?", const="-", metavar="FILE",
                    help="print one JSON object instead of text (with --bench: write the full "
                         "report, per prompt too, to FILE)")
@@ -772,11 +788,11 @@ def with_tree_defaults(args, method: str):
 def bench_decoder(args, method: str, target, tokenizer) -> tuple:
     """For bench.run_bench: (prompt_ids -> Result, MB the method adds to the target, its
     configuration in words)."""
-    from model import compiled, compiles_trees
+    from model import compiled
     gen = GenConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     fast = method.endswith(COMPILED)
     method = method.removesuffix(COMPILED)
-    pad = fast and compiles_trees(target)
+    pad = fast                                 # one tree shape for the compiler
     if fast:
         target = compiled(target)
     if method == "ar":
@@ -801,9 +817,9 @@ def bench_decoder(args, method: str, target, tokenizer) -> tuple:
 
 
 def run(args) -> dict:
-    from model import compiled, compiles_trees
+    from model import compiled
     path, target, tokenizer = load_target(args)
-    pad = args.compile and compiles_trees(target)
+    pad = args.compile                         # one tree shape for the compiler
     if args.compile:
         target = compiled(target)
     prompt_ids = tokenizer.raw_ids(args.prompt) if args.raw else tokenizer.chat_prompt(args.prompt)

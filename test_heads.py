@@ -11,8 +11,7 @@ import torch
 from heads import (EagleHead, HeadConfig, MedusaHeads, best_paths, eagle_layer_config,
                    load_head, save_head)
 from model import LoadError
-from proposers import (DraftConfig, DraftModelProposer, EagleProposer, MedusaProposer,
-                       projection_bytes)
+from proposers import DraftConfig, DraftModelProposer, EagleProposer, MedusaProposer
 from spec import GenConfig, generate_ar, generate_spec
 from test_spec import default_path, tiny_model  # noqa: F401 (default_path is a fixture)
 from tree import static_tree
@@ -63,42 +62,36 @@ def test_int8_drafts_use_the_quantized_weights_and_stay_lossless():
     """--draft-int8: every Linear of an EAGLE or Medusa head and the proposer's projection run
     torch's int8 kernel on per-row-quantized weights (float32 here: the kernel takes 16/32-bit
     inputs); greedy output still equals plain decoding."""
-    from model import Linear, int8_weights, quantize_int8
-    w = torch.randn(48, 32)
-    q, scales = int8_weights(w)
-    deq = q.float() * scales[:, None]
-    assert q.dtype == torch.int8 and (w - deq).abs().le(scales[:, None] / 2 + 1e-7).all()
-    assert int8_weights(w.double()) is None, "no float64 kernel: stay unquantized"
+    from heads import projection
+    from quantize import Int8Linear, convert, quantize
+    w = torch.nn.Linear(32, 48)
+    layer = Int8Linear(w)
+    deq = layer.q.float() * layer.scales[:, None]
+    assert layer.q.dtype == torch.int8
+    assert (w.weight - deq).abs().le(layer.scales[:, None] / 2 + 1e-7).all()
     gen, accepted = GenConfig(max_new_tokens=40), 0
     for seed in range(2):
         target = tiny_model(seed).float()
-        head = random_eagle(target, seed).float()
-        assert quantize_int8(head) > 0
-        linears = [m for m in head.modules() if isinstance(m, Linear)]
-        assert linears and all(m.int8 is not None and m.packed is None for m in linears)
-        x = torch.randn(3, linears[0].in_features)
-        deq = linears[0].int8[0].float() * linears[0].int8[1][:, None]
+        head = quantize(random_eagle(target, seed).float(), "int8")
+        linears = [m for m in head.modules() if isinstance(m, Int8Linear)]
+        assert linears and not any(isinstance(m, torch.nn.Linear) for m in head.modules())
+        x = torch.randn(3, linears[0].q.shape[1])
+        deq = linears[0].q.float() * linears[0].scales[:, None]
         assert torch.allclose(linears[0](x), x @ deq.T + linears[0].bias, atol=1e-4)
-        assert not torch.allclose(linears[0](x), x @ linears[0].weight.T + linears[0].bias,
-                                  atol=1e-4), "the int8 copy, not the weight, is used"
-        proposer = EagleProposer(target, head, DraftConfig(4, 3, 8), 256, int8=True)
+        proj = convert(projection(target, head.vocab_ids), "int8", "projection")
+        proposer = EagleProposer(target, head, DraftConfig(4, 3, 8), 256, proj=proj)
         feats = torch.randn(2, target.config.hidden_size)
-        pq, ps = proposer.int8
+        pq, ps = proj.q, proj.scales
         assert torch.allclose(proposer.logp(feats),
                               torch.log_softmax(feats @ (pq.float() * ps[:, None]).T, -1), atol=1e-4)
-        assert proposer.proj is None and proposer.packed is None, "no 16-bit rows kept"
-        R, C = pq.shape
-        assert projection_bytes(proposer) == R * C + R * ps.element_size()
-        medusa = random_medusa(target, 3, seed).float()
-        assert quantize_int8(medusa) > 0
-        assert all(b.int8 is not None for b in medusa.blocks)
-        drafter = MedusaProposer(target, medusa, static_tree(PATHS), int8=True)
-        mq, ms = drafter.int8
+        medusa = quantize(random_medusa(target, 3, seed).float(), "int8")
+        assert all(isinstance(b, Int8Linear) for b in medusa.blocks)
+        drafter = MedusaProposer(target, medusa, static_tree(PATHS), proj)
         h = torch.randn(target.config.hidden_size)
         blocks = torch.stack([h + torch.nn.functional.silu(
-            h @ (b.int8[0].float() * b.int8[1][:, None]).T + b.bias) for b in medusa.blocks])
-        assert torch.allclose(medusa.logits(h, drafter.proj, drafter.packed, drafter.int8),
-                              blocks @ (mq.float() * ms[:, None]).T, atol=1e-3), \
+            h @ (b.q.float() * b.scales[:, None]).T + b.bias) for b in medusa.blocks])
+        assert torch.allclose(medusa.logits(h, drafter.proj),
+                              blocks @ (pq.float() * ps[:, None]).T, atol=1e-3), \
             "Medusa drafts through the int8 blocks and projection"
         for prompt in ([1, 2, 3], [11, 5, 9, 30, 2, 8]):
             for p in (proposer, drafter):
@@ -219,7 +212,7 @@ def test_training_code_makes_its_tensors_on_the_targets_device(tmp_path):
     # its device lands there, and the first operation that mixes it with the (CPU) target's
     # fails, as a CPU tensor would beside CUDA ones. Every number must equal the plain run's.
     import train_heads as th
-    from heads import build_head, init_draft, projection
+    from heads import build_head, init_draft, projection_rows
     torch.manual_seed(0)
     target = tiny_model(3).float().requires_grad_(False)
     prompts = [[1, 2, 3], [7], [11, 5, 9, 30, 2, 8], [4, 4]]
@@ -230,7 +223,7 @@ def test_training_code_makes_its_tensors_on_the_targets_device(tmp_path):
     heads = {kind: build_head(HeadConfig(kind, c.hidden_size, c.vocab_size, len(vocab), 3,
                                          eagle_layer_config(c) if kind == "eagle" else {}), vocab)
              for kind in ("eagle", "medusa")}
-    proj, draft = projection(target, vocab), init_draft(target, 1)
+    proj, draft = projection_rows(target, vocab), init_draft(target, 1)
 
     def everything():
         answers = th.batched_greedy(target, prompts, 6, (0,))
@@ -268,7 +261,7 @@ def test_tau_prompts_0_measures_nothing_rather_than_a_tau_of_0():
 
 def test_training_smoke_loss_falls_and_saved_head_decodes_the_same(tmp_path):
     import train_heads as th
-    from heads import build_head, projection
+    from heads import build_head, projection_rows
     torch.manual_seed(0)
     target = tiny_model(3).float().requires_grad_(False)
     rows = [(f"q{i} {'ab' * (i % 5)}", None) for i in range(40)]
@@ -283,7 +276,7 @@ def test_training_smoke_loss_falls_and_saved_head_decodes_the_same(tmp_path):
                             eagle_layer_config(c) if method == "eagle" else {},
                             own_projection=own)
         head = build_head(config, vocab)
-        proj = projection(target, vocab)
+        proj = projection_rows(target, vocab)
         if own:
             with torch.no_grad():
                 head.proj.copy_(proj.expand_as(head.proj))
@@ -324,7 +317,7 @@ def test_tapped_features_fuse_losslessly_and_a_head_gains_taps_unchanged(tmp_pat
     a trained head grown with taps drafts exactly as before; a random tapped head stays
     lossless; a tapped head learns; its files round-trip."""
     import train_heads as th
-    from heads import build_head, projection
+    from heads import build_head, projection_rows
     target = tiny_model(3)
     C, taps = target.config.hidden_size, (0, 1)
     rows = [(f"q{i} {'ab' * (i % 5)}", None) for i in range(24)]
@@ -374,7 +367,7 @@ def test_tapped_features_fuse_losslessly_and_a_head_gains_taps_unchanged(tmp_pat
     config = HeadConfig("eagle", C, target.config.vocab_size, 40,
                         layer=eagle_layer_config(target.config), taps=list(taps))
     head = build_head(config, th.draft_vocabulary(seqs, 40, (0,)))
-    proj = projection(target32, head.vocab_ids)
+    proj = projection_rows(target32, head.vocab_ids)
     record = th.train(head, lambda s: th.eagle_loss(head, target32.embed, proj, th.make_batch(s),
                                                     2, 0.1),
                       seqs, th.TrainConfig(epochs=20, tokens_per_batch=256, lr=3e-3),
@@ -388,7 +381,7 @@ def test_tapped_features_fuse_losslessly_and_a_head_gains_taps_unchanged(tmp_pat
 
 def test_a_head_grows_layers_that_start_as_the_identity_and_learn(tmp_path):
     import train_heads as th
-    from heads import build_head, grow_layers, projection
+    from heads import build_head, grow_layers, projection_rows
     from safetensors.torch import load_file, save_file
     target = tiny_model(6)
     c = target.config
@@ -432,7 +425,7 @@ def test_a_head_grows_layers_that_start_as_the_identity_and_learn(tmp_path):
     seqs = th.load_features(str(tmp_path / "f"))
     config2 = HeadConfig("eagle", c.hidden_size, c.vocab_size, 40, layer=eagle_layer_config(c, 2))
     head = build_head(config2, th.draft_vocabulary(seqs, 40, (0,)))
-    proj = projection(target32, head.vocab_ids)
+    proj = projection_rows(target32, head.vocab_ids)
     record = th.train(head, lambda s: th.eagle_loss(head, target32.embed, proj, th.make_batch(s),
                                                     3, 0.1),
                       seqs, th.TrainConfig(epochs=20, tokens_per_batch=256, lr=3e-3,
@@ -913,11 +906,11 @@ def random_batch(seed: int) -> tuple:
 @pytest.mark.parametrize("soft", [False, True])
 def test_medusa_loss_equals_a_per_position_loop(soft):
     import train_heads as th
-    from heads import projection
+    from heads import projection_rows
     target = tiny_model(4)
     heads = random_medusa(target, heads=2)
     seqs, b = random_batch(5)
-    proj = projection(target, heads.vocab_ids)
+    proj = projection_rows(target, heads.vocab_ids)
     got = th.medusa_loss(heads, proj, b, soft)[1]
     for m in range(2):                   # head m at entry i: token i + 2 + m, from feature i + 1 + m
         terms = []
@@ -931,11 +924,11 @@ def test_medusa_loss_equals_a_per_position_loop(soft):
 
 def test_eagle_soft_loss_at_the_first_step_equals_a_per_position_loop():
     import train_heads as th
-    from heads import projection
+    from heads import projection_rows
     target = tiny_model(4)
     head = random_eagle(target)
     _, b = random_batch(6)
-    proj = projection(target, head.vocab_ids)
+    proj = projection_rows(target, head.vocab_ids)
     got = th.eagle_loss(head, target.embed, proj, b, 2, 0.0, soft=True)[1][0]
     out = th.eagle_unroll(head, target.embed, b, 1)[0]                  # (B, L, C)
     rows = b.loss_mask.nonzero().tolist()

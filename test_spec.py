@@ -107,14 +107,13 @@ def test_sharded_checkpoint_loads_same_as_single_file(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_incremental_decoding_equals_full_forward(dtype):
-    # bf16 on CPU keeps a float32 cache and attends in float32 (model.cache_dtype): it must
-    # agree too.
+    # bf16 attends in bf16 (model.cache_dtype, model.attend): it must agree too.
     model = tiny_model().to(dtype)
     ids = [3, 14, 15, 9, 26, 5, 35, 8, 9, 7]
     with torch.no_grad():
         full, _, _ = run_full(model, ids)
         cache = model.new_cache(1, 64)
-        assert cache.k.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        assert cache.k.dtype == dtype
         model(torch.tensor([ids[:4]]), torch.arange(4)[None], cache)
         steps = []
         for i in range(4, len(ids)):
@@ -123,20 +122,6 @@ def test_incremental_decoding_equals_full_forward(dtype):
     steps, full = torch.stack(steps).double(), full[4:].double()
     tol = 1e-10 if dtype == torch.float64 else 0.03 * float(full.abs().max())
     assert torch.allclose(steps, full, atol=tol), (steps - full).abs().max()
-
-
-def test_prepacked_weights_give_the_same_logits():
-    from model import pack, prepack
-    model = tiny_model().to(torch.bfloat16)
-    if pack(model.lm_head.weight) is None:
-        pytest.skip("no oneDNN weight prepacking in this torch build")
-    ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(3))
-    pos = torch.arange(9)[None]
-    with torch.no_grad():
-        ref = model(ids, pos, model.new_cache(2, 16))[0].float()
-        assert prepack(model) > 0 and model.layers[0].mlp.w13.packed is not None
-        got = model(ids, pos, model.new_cache(2, 16))[0].float()
-    assert torch.allclose(got, ref, atol=0.02 * float(ref.abs().max())), (got - ref).abs().max()
 
 
 def test_forward_costs_time_the_sizes_in_turns():
@@ -149,45 +134,6 @@ def test_forward_costs_time_the_sizes_in_turns():
     costs = spec.forward_costs(model, (1, 2, 3), prefix=16, repeats=2)
     assert fed == [16, 1, 2, 3, 1, 2, 3] and sorted(costs) == [1, 2, 3]
     assert all(ms > 0 for ms in costs.values())
-
-
-def test_few_row_kernel_is_measured_once_per_machine_and_obeyed(tmp_path, monkeypatch):
-    import argparse
-    import model as model_module
-    import spec
-    from model import prepack
-    # fastest_rows: ATen keeps the rows it wins from 1 up, and stops at the first loss
-    assert spec.fastest_rows({1: 10, 2: 15}, {1: 22, 2: 22}) == 2
-    assert spec.fastest_rows({1: 10, 2: 30}, {1: 22, 2: 22}) == 1
-    assert spec.fastest_rows({1: 25, 2: 15}, {1: 22, 2: 22}) == 0
-    # the forward obeys the choice: oneDNN (and so the prepacked weight) off up to aten_rows rows
-    model = tiny_model().to(torch.bfloat16)
-    prepack(model)
-    seen, linear = [], model_module.linear
-    monkeypatch.setattr(model_module, "linear", lambda x, w, b=None, packed=None, int8=None: (
-        seen.append(torch.backends.mkldnn.enabled), linear(x, w, b, packed, int8))[1])
-
-    def onednn_used(rows, tokens):
-        seen.clear()
-        model.aten_rows = rows
-        with torch.no_grad():
-            model(torch.zeros(1, tokens, dtype=torch.long), torch.arange(tokens)[None],
-                  model.new_cache(1, 8))
-        return set(seen)
-    assert onednn_used(2, 1) == {False} and onednn_used(2, 2) == {False}
-    assert onednn_used(2, 3) == {True} and onednn_used(0, 1) == {True}
-    assert onednn_used(1, 1) == {False} and onednn_used(1, 2) == {True}
-    # measured once, then read back from the cache folder: ATen slower at 2 rows here -> 1
-    fake = {2: {1: 10.0, 2: 30.0}, 0: {1: 20.0, 2: 21.0}}
-    calls = []
-    monkeypatch.setattr(spec, "forward_costs", lambda m, sizes, repeats=5: (
-        calls.append(m.aten_rows), fake[m.aten_rows])[1])
-    args = argparse.Namespace(device="cpu", dtype="bfloat16", model="random:tiny",
-                              cache_dir=str(tmp_path))
-    assert spec.choose_aten_rows(args, model) == 1 and calls == [0, 2] * 9, "kernels in turns"
-    assert spec.choose_aten_rows(args, model) == 1 and len(calls) == 18, "read from the cache"
-    assert os.path.isfile(tmp_path / "verify-costs.json")
-    assert spec.choose_aten_rows(args, tiny_model()) == 2       # float64: no choice to make
 
 
 def test_measure_again_forgets_only_this_setups_timings(tmp_path, monkeypatch, capsys):
@@ -907,30 +853,6 @@ def test_compiled_model_equals_eager():
     plain = generate_ar(target, prompt, gen).token_ids
     assert generate_ar(fast, prompt, gen).token_ids == plain
     assert generate_spec(fast, PromptLookupProposer(4), prompt, gen, pad=True).token_ids == plain
-
-
-def test_compiled_model_with_prepacked_weights_equals_eager():
-    # CPU bf16: one-token forwards run compiled, trees eager on the prepacked weights.
-    from model import compiled, pack, prepack
-    target = tiny_model(6).to(torch.bfloat16)
-    if pack(target.lm_head.weight) is None:
-        pytest.skip("no oneDNN weight prepacking in this torch build")
-    prepack(target)
-    fast = compiled(target)
-    assert target.layers[0].attn.wqkv.packed is not None, "the eager model keeps its packed copy"
-    ids = torch.randint(0, 61, (1, 12), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        for T in (1, 6):
-            out = []
-            for model in (target, fast):
-                cache = model.new_cache(1, 32)
-                model(ids[:, :6], torch.arange(6)[None], cache)
-                out.append(model(ids[:, 6:6 + T], torch.arange(6, 6 + T)[None], cache)[0].float())
-            assert torch.allclose(out[1], out[0], atol=0.03 * float(out[0].abs().max())), T
-    # which rows run compiled follows the model's few-row kernel choice (spec.choose_aten_rows)
-    assert [fast.layers[0].few_rows, fast.layers[0].trees] == [2, False]
-    target.aten_rows = 0                  # prepacked weights serve every forward: none compiled
-    assert compiled(target).layers[0].few_rows == 0
 
 
 def test_cache_room_counts_the_lookup_branch():

@@ -424,7 +424,7 @@ def eagle_loss(head, embed, proj, b: Batch, steps: int, feature_weight: float,
 
 def medusa_loss(heads, proj, b: Batch, soft: bool = False) -> tuple:
     """Head m on the feature at i predicts token i + 2 + m, the target's greedy token there."""
-    logits = heads.logits(b.feats, proj)                               # (B, L, M, R)
+    logits = heads.logits(b.feats, lambda f: f @ proj.T)               # (B, L, M, R)
     total, ces = 0.0, []
     for m in range(logits.shape[2]):
         L = b.feats.shape[1] - m
@@ -454,12 +454,11 @@ def draft_hidden(draft, tokens) -> torch.Tensor:
     gets fresh K/V buffers: in one shared cache tensor a later layer's write would bump the
     version of what earlier layers saved for backward, and autograd refuses that."""
     from kernels import attention_mask
-    from model import rope_cos_sin
     B, L = tokens.shape
     c = draft.config
     pos = torch.arange(L, device=tokens.device)[None].expand(B, L)
-    cos, sin = rope_cos_sin(draft.inv_freq, pos, torch.float32)
-    mask = attention_mask(0, L, None, tokens.device)                           # (L, L) causal
+    cos, sin = draft.rope(pos, torch.float32)
+    mask = attention_mask(0, L, None, L, tokens.device)                        # (L, L) causal
     x = draft.embed(tokens)                                                    # (B, L, C)
     for layer in draft.layers:
         k, v = (x.new_zeros(B, c.num_kv_heads, L, c.head_dim) for _ in range(2))
@@ -577,7 +576,7 @@ def accuracy_table(target, head, kind: str, seqs: list, depth: int, ranks: int =
         if kind == "eagle":
             outs = [o.float() @ proj.T for o in eagle_unroll(head, target.embed, b, depth)]
         else:
-            logits = head.logits(b.feats.to(target.lm_head.weight.dtype), proj)      # (B, L, M, R)
+            logits = head.logits(b.feats.to(proj.dtype), lambda f: f @ proj.T)      # (B, L, M, R)
             outs = [logits[:, :, m].float() for m in range(logits.shape[2])]
         for d, logits in enumerate(outs[:depth]):
             shift = d if kind == "medusa" else 0
@@ -600,8 +599,8 @@ def accuracy_table(target, head, kind: str, seqs: list, depth: int, ranks: int =
 
 
 def head_projection(target, head) -> torch.Tensor:
-    from heads import projection
-    return projection(target, head.vocab_ids).float()
+    from heads import projection_rows
+    return projection_rows(target, head.vocab_ids).float()
 
 
 # ---------------------------------------------------------------- command line
@@ -815,10 +814,10 @@ def record_fields(record: dict) -> dict:
 
 
 def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) -> dict:
-    from heads import projection, save_head
+    from heads import projection_rows, save_head
     head, config = (init_head(args, target) if args.init
                     else new_head(args, target, train_seqs, tokenizer.stop_ids))
-    proj = projection(target, head.vocab_ids)                              # (R, C)
+    proj = projection_rows(target, head.vocab_ids)                         # (R, C)
     device = proj.device
     if args.init:                       # what the head had learned before: its own record
         info = info | {"init": {"folder": os.path.abspath(args.init),
@@ -849,7 +848,7 @@ def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) 
 def new_head(args, target, train_seqs: list, stop_ids) -> tuple:
     """-> (head, HeadConfig): residual blocks that start as the identity (Medusa) or a fresh
     EAGLE layer, over the draft vocabulary of these sequences (or of the run being resumed)."""
-    from heads import HeadConfig, build_head, eagle_layer_config, projection
+    from heads import HeadConfig, build_head, eagle_layer_config, projection_rows
     ckpt = os.path.join(args.out, "checkpoint.pt")
     if os.path.exists(ckpt):                 # resuming: the vocabulary the run started with
         vocab = torch.load(ckpt, weights_only=False, map_location="cpu")["head"]["vocab_ids"]
@@ -862,7 +861,7 @@ def new_head(args, target, train_seqs: list, stop_ids) -> tuple:
     head = build_head(config, vocab).to(target.embed.weight.device)
     if config.own_projection:
         with torch.no_grad():
-            head.proj.copy_(projection(target, vocab).expand_as(head.proj))  # start as the target's
+            head.proj.copy_(projection_rows(target, vocab).expand_as(head.proj))  # start as the target's
     return head, config
 
 

@@ -1,0 +1,133 @@
+"""Weight-only quantized linear layers, swapped into a model at load (as gpt-fast's quantize.py).
+
+Dimensions: M rows (batch x tokens), I input features, O output features, G group size.
+
+A model is built with plain nn.Linear layers; `quantize` replaces them by modules that hold the
+same matrix in fewer bits and call torch's weight-only kernels. The model's forward has no
+branch for them. Every kernel used here computes a row the same way whatever else shares the
+call (tested), so a token verified inside a tree gets the bits plain decoding gives it.
+
+  float  the checkpoint's own matrices: nn.Linear (in float32 on CPU: `Float32Linear`)
+  int8   per output row: w = s * q, q in -127..127          (torch._weight_int8pack_mm)
+  int4   per group of 32 inputs: w = d * q + m, q in 0..15  (torch._weight_int4pack_mm_for_cpu)
+
+int4 is exactly llama.cpp's Q4_1 block, so the default model (a Q4_1 file, stored dequantized in
+float32 by default_model.py) gets its original blocks back: `int4_blocks` recovers d, m and q
+from the float weights without rounding.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WEIGHTS = ("float", "int8", "int4")
+GROUP = 32                                    # Q4_1's block length
+
+
+class QuantizeError(ValueError):
+    """A layer that the chosen form cannot hold; the message names it and the way out."""
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T + b with W held as int8 rows and one scale per row."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        w = linear.weight.detach().float()                                  # (O, I)
+        scales = w.abs().amax(1).clamp(min=1e-12) / 127                     # (O,)
+        self.register_buffer("q", (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scales.to(linear.weight.dtype))
+        self.bias = linear.bias
+
+    def forward(self, x):
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.q,
+                                               self.scales.to(x.dtype))     # (M, O)
+        y = y.view(*x.shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+
+def int4_blocks(w: torch.Tensor, group: int = GROUP) -> tuple:
+    """(O, I) float weights -> d, m (O, I/G) and q (O, I) int32 in 0..15 with w ~ d q + m.
+
+    For weights that are Q4_1 blocks (a block's q spans 0..15, as llama.cpp's quantizer
+    makes it) this is exact: m is the block's minimum and d = (max - min) / 15."""
+    O, I = w.shape
+    blocks = w.float().reshape(O, I // group, group)                       # (O, I/G, G)
+    m = blocks.amin(-1, keepdim=True)
+    d = (blocks.amax(-1, keepdim=True) - m) / 15
+    q = ((blocks - m) / d.clamp(min=1e-30)).round().clamp(0, 15).to(torch.int32)
+    return d.squeeze(-1), m.squeeze(-1), q.reshape(O, I)
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T + b with W held as 4-bit groups: torch's CPU kernel, 16-bit activations."""
+
+    def __init__(self, linear: nn.Linear, group: int = GROUP):
+        super().__init__()
+        d, m, q = int4_blocks(linear.weight.detach(), group)
+        self.group = group
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        # the kernel's form: w = (q - 8) * scale + zero, as (I/G, O, 2)
+        zeros = m + 8 * d
+        self.register_buffer("scales_zeros", torch.stack([d, zeros], -1).transpose(0, 1)
+                             .contiguous().to(linear.weight.dtype))
+        self.bias = linear.bias
+
+    def forward(self, x):
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, x.shape[-1]), self.packed, self.group, self.scales_zeros.to(x.dtype))
+        y = y.view(*x.shape[:-1], -1)                                       # (..., O)
+        return y if self.bias is None else y + self.bias
+
+
+class Float32Linear(nn.Linear):
+    """nn.Linear for float32 on CPU, at least 4 rows a call: the float32 matrix kernel (MKL)
+    takes other code paths for 1-3 rows, which round differently (tested)."""
+    LEAST = 4
+
+    def forward(self, x):
+        rows = x.reshape(-1, x.shape[-1])                                   # (M, I)
+        if rows.shape[0] >= self.LEAST:
+            return F.linear(x, self.weight, self.bias)
+        padded = torch.cat([rows, rows.new_zeros(self.LEAST - rows.shape[0], rows.shape[1])])
+        return F.linear(padded, self.weight, self.bias)[:rows.shape[0]].view(*x.shape[:-1], -1)
+
+
+def as_float32(linear: nn.Linear) -> Float32Linear:
+    layer = Float32Linear(linear.in_features, linear.out_features, linear.bias is not None,
+                          device="meta")
+    layer.weight, layer.bias = linear.weight, linear.bias
+    return layer
+
+
+def convert(linear: nn.Linear, form: str, name: str) -> nn.Module:
+    """One layer in the chosen form; a QuantizeError where the form cannot hold it."""
+    w = linear.weight
+    if form == "float":
+        return as_float32(linear) if (w.dtype, w.device.type) == (torch.float32, "cpu") else linear
+    if w.device.type != "cpu":
+        raise QuantizeError(f"--weights {form}: layer {name} is on {w.device}; the weight-only "
+                            f"kernels used here are torch's CPU ones: use --weights float")
+    if form == "int4" and w.shape[1] % GROUP:
+        raise QuantizeError(f"--weights int4: layer {name} has {w.shape[1]} inputs, not a "
+                            f"multiple of the group size {GROUP}: use --weights float or int8")
+    return Int4Linear(linear) if form == "int4" else Int8Linear(linear)
+
+
+def quantize(module: nn.Module, form: str, head_form: str | None = None) -> nn.Module:
+    """Replace every nn.Linear in module (in place) by its `form`; a Llama's lm_head by
+    `head_form` (default: form). The embedding stays as it is: a lookup reads one row."""
+    if form not in WEIGHTS or (head_form or form) not in WEIGHTS:
+        raise QuantizeError(f"unknown weight form {form!r}: choose from {', '.join(WEIGHTS)}")
+    for parent_name, parent in list(module.named_modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                full = f"{parent_name}.{name}" if parent_name else name
+                chosen = head_form or form if full == "lm_head" else form
+                setattr(parent, name, convert(child, chosen, full))
+    return module
+
+
+def quantized_bytes(module: nn.Module) -> int:
+    """Bytes of the quantized layers' buffers (packed weights and their scales)."""
+    return sum(b.numel() * b.element_size() for m in module.modules()
+               if isinstance(m, (Int8Linear, Int4Linear)) for b in m.buffers(recurse=False))
