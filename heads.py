@@ -86,7 +86,7 @@ class EagleHead(nn.Module):
         seen = attention_mask(start, T, mask, min(round_up(start + T), cache.slots), feats.device)
         cos, sin = self.rope(positions.expand(B, T), feats.dtype)
         x = self.fc(torch.cat([embeds, feats], dim=-1))                   # (B, T, C)
-        for i, block in enumerate(self.layers):
+        for i, block in enumerate(self.layers):                 # a draft: no tail (see attend)
             x = block(x, cos, sin, cache.k[i], cache.v[i], start, seen)
         cache.length = start + T
         return x

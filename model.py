@@ -152,9 +152,10 @@ def cache_dtype(dtype: torch.dtype, device) -> torch.dtype:
 
     16-bit models attend in their own dtype: on CPU, oneDNN's 16-bit matmuls accumulate in
     float32 and give a row the same result whatever else shares the call (see `attend`).
-    float32 models attend in float64 on CPU: there the float32 matmuls (MKL) take other
-    code paths for 1-3 rows and round differently, so plain decoding and tree verification
-    would disagree in the last bits."""
+    float32 models attend in float64 on CPU: the float32 and float64 matmuls (MKL) round a row
+    differently by how many rows share the call and where it sits among them; in float64 those
+    differences (~1e-16) vanish in the rounding back to float32, but for about one value in
+    10^8, where in float32 they would change the last bit of many."""
     if torch.device(device).type == "cpu" and dtype == torch.float32:
         return torch.float64
     return dtype
@@ -202,9 +203,9 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(c.hidden_size, qkv, bias=c.attention_bias)
         self.wo = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, start, mask):
+    def forward(self, x, cos, sin, k_cache, v_cache, start, mask, tail=None):
         """x (B, T, C); k_cache, v_cache (B, K, S, D); mask (T, W) or (B, 1, T, W) bool: which
-        of the first W cache slots each new token sees."""
+        of the first W cache slots each new token sees; tail: see `tail_slots`."""
         B, T, _ = x.shape
         H, K = self.c.num_heads, self.c.num_kv_heads
         qkv = self.wqkv(x).view(B, T, H + 2 * K, -1)                   # (B, T, H + 2K, D)
@@ -212,31 +213,78 @@ class Attention(nn.Module):
         k_cache[:, :, start:start + T] = qk[:, :, H:].transpose(1, 2)  # (B, K, T, D)
         v_cache[:, :, start:start + T] = qkv[:, :, H + K:].transpose(1, 2)
         W = mask.shape[-1]
-        y = attend(qk[:, :, :H], k_cache[:, :, :W], v_cache[:, :, :W], mask)   # (B, T, H, D)
+        y = attend(qk[:, :, :H], k_cache[:, :, :W], v_cache[:, :, :W], mask, tail)  # (B, T, H, D)
         return self.wo(y.to(x.dtype).reshape(B, T, -1))                 # (B, T, C)
 
 
-def attend(q, keys, values, mask):
+def attend(q, keys, values, mask, tail=None):
     """q (B, T, H, D), keys/values (B, K, W, D), mask (T, W) or (B, 1, T, W) -> (B, T, H, D).
 
-    Softmax attention in which a query's result depends only on the slots it sees, not on
-    how many other queries share the call nor where the unseen slots lie: two matmuls
-    (oneDNN's give a row the same value for any number of rows and treat a zero weight as
-    absent) and an exp on whole rows. The softmax's normalizer comes from the second matmul
-    (a column of ones beside the values), not from a sum over the row: a vectorized sum
-    groups terms by their index, so a masked slot between two seen ones would regroup them.
-    The query heads of one KV head are stacked into one matrix (grouped-query attention)."""
+    Softmax attention that gives a query the bits plain decoding gives it, whatever else shares
+    the call. A query's visible slots, in slot order, are the sequence plain decoding attends
+    over (its "plain layout"); the weighted sum over them is taken in blocks of SLOT_BLOCK
+    positions of that layout, one matmul a block (oneDNN's give a row the same value for any
+    number of rows), and the blocks are added in order. Blocks of slots that every query sees
+    in slot order are shared; the rest of a tree node's sequence (its ancestors, scattered among
+    other nodes' slots) is gathered per node: `tail` (see `tail_slots`). The max is exact in any
+    order, and exp runs on whole rows. The query heads of one KV head are stacked into one
+    matrix (grouped-query attention)."""
     B, T, H, D = q.shape
     K, W = keys.shape[1], keys.shape[2]
-    q = (q * D ** -0.5).to(keys.dtype).transpose(1, 2).reshape(B, K, H // K * T, D)
-    scores = (q @ keys.transpose(-1, -2)).view(B, K, H // K, T, W)     # (B, K, G, T, W)
-    wide = torch.promote_types(keys.dtype, torch.float32)
+    G, wide = H // K, torch.promote_types(keys.dtype, torch.float32)
+    q = (q * D ** -0.5).to(keys.dtype).transpose(1, 2).reshape(B, K, G * T, D)
+    scores = (q @ keys.transpose(-1, -2)).view(B, K, G, T, W)          # (B, K, G, T, W)
     scores = scores.to(wide).masked_fill(~mask.view(-1, 1, 1, T, W), float("-inf"))
     weights = (scores - scores.amax(-1, keepdim=True)).exp().to(keys.dtype)
-    ones = values.new_ones(B, K, W, 1)
-    out = weights.view(B, K, -1, W) @ torch.cat([values, ones], dim=-1)  # (B, K, G*T, D + 1)
-    y = out[..., :D].to(wide) / out[..., D:].to(wide)                   # (B, K, G*T, D)
+    if W % SLOT_BLOCK:                      # a cache of another width (training): zero slots
+        weights = F.pad(weights, (0, -W % SLOT_BLOCK))
+        values = F.pad(values, (0, 0, 0, -W % SLOT_BLOCK))
+        W = weights.shape[-1]
+    shared = W if tail is None else tail[0]
+    parts, norms = block_sums(weights[..., :shared].reshape(B, K, G * T, shared),
+                              values[:, :, :shared])                   # (B, K, n, GT, D), (.., GT)
+    if tail is not None:
+        _, slots, seen = tail                                          # (T, R) each
+        w = weights.gather(-1, slots.expand(B, K, G, T, -1)) * seen    # (B, K, G, T, R)
+        v = values[:, :, slots.flatten()].view(B, K, T, -1, D)         # (B, K, T, R, D)
+        p, n = block_sums(w.transpose(2, 3), v)                        # (B, K, T, m, G, D), (.., G)
+        parts = torch.cat([parts, p.permute(0, 1, 3, 4, 2, 5).reshape(B, K, -1, G * T, D)], 2)
+        norms = torch.cat([norms, n.permute(0, 1, 3, 4, 2).reshape(B, K, -1, G * T)], 2)
+    # the blocks in order: cumsum adds them one after the other, whatever their number
+    y = parts.to(wide).cumsum(2)[:, :, -1] / norms.cumsum(2)[:, :, -1, :, None]  # (B, K, GT, D)
     return y.view(B, H, T, D).transpose(1, 2)                           # (B, T, H, D)
+
+
+def block_sums(w, v) -> tuple:
+    """w (..., M, L) weights, v (..., L, D) values, L a multiple of SLOT_BLOCK -> per block of
+    SLOT_BLOCK: the weighted sums (..., L / SLOT_BLOCK, M, D) and the weights' sums (..., M)."""
+    blocks = w.unflatten(-1, (-1, SLOT_BLOCK))                          # (..., M, n, SLOT_BLOCK)
+    parts = blocks.transpose(-3, -2) @ v.unflatten(-2, (-1, SLOT_BLOCK))  # (..., n, M, D)
+    wide = torch.promote_types(w.dtype, torch.float32)
+    return parts, blocks.sum(-1, dtype=wide).transpose(-1, -2)          # (..., n, M)
+
+
+TAIL_BLOCKS = 4            # most blocks a call gathers per query (a tree: 73 nodes fit in 3)
+
+
+def tail_slots(mask: torch.Tensor):
+    """What `attend` gathers per query of a (T, W) mask: None where every query's visible slots
+    are the first ones (plain decoding, chains, prefill: the cache is their plain layout), or
+    where the unshared part spans more than TAIL_BLOCKS blocks (training's unrolled masks, which
+    no other call must reproduce); else (shared, slots, seen): the first `shared` slots (whole
+    blocks) every query sees in slot order, then slots (T, R) the slot at each later position
+    of each query's plain layout, seen (T, R) whether that position exists."""
+    T, W = mask.shape
+    count = mask.sum(1)                                                 # (T,) visible slots
+    if bool((mask == (torch.arange(W, device=mask.device) < count[:, None])).all()):
+        return None
+    shared = int(mask.all(0).long().cumprod(0).sum()) // SLOT_BLOCK * SLOT_BLOCK
+    R = round_up(int(count.max())) - shared
+    if R > TAIL_BLOCKS * SLOT_BLOCK:
+        return None
+    order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices   # visible first
+    seen = torch.arange(shared, shared + R, device=mask.device) < count[:, None]
+    return shared, order[:, shared:shared + R], seen
 
 
 class MLP(nn.Module):
@@ -258,8 +306,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(c.hidden_size, c.rms_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, start, mask):
-        x = x + self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, start, mask)
+    def forward(self, x, cos, sin, k_cache, v_cache, start, mask, tail=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, start, mask, tail)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -292,11 +340,12 @@ class Llama(nn.Module):
         if start + T > cache.slots:
             raise ValueError(f"KV cache full: {start} + {T} tokens > {cache.slots} slots")
         seen = attention_mask(start, T, mask, min(round_up(start + T), cache.slots), tokens.device)
+        tail = tail_slots(seen) if seen.dim() == 2 else None            # once for all layers
         x = self.embed(tokens)                                          # (B, T, C)
         cos, sin = self.rope(positions.expand(B, T), x.dtype)
         tapped = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], start, seen)
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], start, seen, tail)
             if i in taps:
                 tapped.append(x)
         hidden = self.norm(x)

@@ -80,16 +80,17 @@ class Int4Linear(nn.Module):
 
 
 class Float32Linear(nn.Linear):
-    """nn.Linear for float32 on CPU, at least 4 rows a call: the float32 matrix kernel (MKL)
-    takes other code paths for 1-3 rows, which round differently (tested)."""
-    LEAST = 4
+    """nn.Linear for float32 on CPU, rows padded to a multiple of 4: the float32 matrix kernel
+    (MKL) computes rows in groups of 4 and a remainder of 1-3 rows another way, which rounds
+    differently (tested)."""
+    GROUP = 4
 
     def forward(self, x):
         rows = x.reshape(-1, x.shape[-1])                                   # (M, I)
-        if rows.shape[0] >= self.LEAST:
-            return F.linear(x, self.weight, self.bias)
-        padded = torch.cat([rows, rows.new_zeros(self.LEAST - rows.shape[0], rows.shape[1])])
-        return F.linear(padded, self.weight, self.bias)[:rows.shape[0]].view(*x.shape[:-1], -1)
+        M = rows.shape[0]
+        if M % self.GROUP:
+            rows = torch.cat([rows, rows.new_zeros(-M % self.GROUP, rows.shape[1])])
+        return F.linear(rows, self.weight, self.bias)[:M].view(*x.shape[:-1], -1)
 
 
 def as_float32(linear: nn.Linear) -> Float32Linear:

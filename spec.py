@@ -747,6 +747,12 @@ def tree_size(text: str):
     return int(text)
 
 
+def room(args) -> int:
+    """Cache slots a proposal may need beyond the committed tokens: the nodes it verifies, and
+    those a draft model feeds its own cache while growing them."""
+    return args.num_speculative_tokens * args.draft_top_k + tree_budget(args) + 1
+
+
 def tree_budget(args) -> int:
     """Most nodes a proposal may verify: the cache needs room for them."""
     lookup = lookup_depth(args) if args.method == "eagle2+ngram" else 0
@@ -798,9 +804,8 @@ def bench_decoder(args, method: str, target, tokenizer) -> tuple:
     if method == "ar":
         return (lambda ids: generate_ar(target, ids, gen, tokenizer.stop_ids)), 0.0, "plain"
     margs = with_tree_defaults(argparse.Namespace(**{**vars(args), "compile": fast}), method)
-    extra = margs.num_speculative_tokens * margs.draft_top_k + tree_budget(margs) + 1
     proposer, info = build_proposer(margs, target, tokenizer,
-                                    target.config.max_positions + extra + 1)
+                                    target.config.max_positions + room(margs) + 1)
     depth, top_k = margs.num_speculative_tokens, margs.draft_top_k
     size = info.get("tree_size") or margs.tree_size or depth * top_k
     nodes = "size per step" if info.get("per_step") else f"{size} nodes"
@@ -833,8 +838,7 @@ def run(args) -> dict:
             generate_ar(target, prompt_ids, warm, tokenizer.stop_ids)
         result = generate_ar(target, prompt_ids, gen, tokenizer.stop_ids, stream)
     else:
-        slots = check_room(target, prompt_ids, gen, args.num_speculative_tokens * args.draft_top_k
-                           + tree_budget(args) + 1)
+        slots = check_room(target, prompt_ids, gen, room(args))
         proposer, info = build_proposer(args, target, tokenizer, slots)
         show = None
         if args.show_tree:

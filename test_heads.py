@@ -134,7 +134,7 @@ def test_eagle_tree_features_equal_each_path_fed_alone(static):
             t = grown.tokens[j]
             out = head(out[None, None], target.embed(t.view(1, 1)), torch.tensor([[4 + d]]),
                        cache)[0, -1]
-        assert torch.allclose(out, grown_out[node], rtol=0, atol=1e-10), f"node {node}, path {path}"
+        assert torch.allclose(out, grown_out[node], rtol=0, atol=1e-10), f"node {node}, path {path} {(out - grown_out[node]).abs().max()}"
 
 
 def test_best_paths_equal_brute_force():
@@ -529,26 +529,9 @@ def test_bench_table_arithmetic_on_a_synthetic_run():
 @pytest.fixture(scope="module")
 def default_target(default_path):
     from model import load_model
+    from quantize import quantize
     from tokenizer import load_tokenizer
-    return load_model(default_path, torch.float32), load_tokenizer(default_path)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle2", "draft"])
-def test_shipped_weights_equal_plain_greedy_on_default_model_in_float32(default_target, method):
-    import spec
-    target, tokenizer = default_target
-    # a fixed tree size: auto would time this machine, which is not what this test is about
-    args = spec.parse_args(["--method", method, "--dtype", "float32", "--tree-size", "8"])
-    proposer, _ = spec.build_proposer(args, target, tokenizer, 1024)
-    gen, taus = GenConfig(48), []
-    for prompt in ["Write a short poem about the sea.", "How do vaccines work?"]:
-        ids = tokenizer.chat_prompt(prompt)
-        plain = generate_ar(target, ids, gen, tokenizer.stop_ids).token_ids
-        out = generate_spec(target, proposer, ids, gen, tokenizer.stop_ids)
-        assert out.token_ids == plain, f"{method}: {prompt}"
-        taus.append(out.tau)
-    assert min(taus) > 1.15, f"trained {method} should be accepted (untrained: ~1.0), tau {taus}"
+    return quantize(load_model(default_path, torch.float32), "float"), load_tokenizer(default_path)
 
 
 def test_training_time_test_unroll_equals_drafting_at_inference():

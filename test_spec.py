@@ -760,20 +760,6 @@ def test_default_model_answers_capital_of_france(default_path):
     assert "Paris" in tok.decode(out.token_ids)
 
 
-@pytest.mark.slow
-def test_draft_method_on_default_model_equals_plain_greedy_in_float32(default_path):
-    from tokenizer import load_tokenizer
-    tok = load_tokenizer(default_path)
-    model = load_model(default_path, torch.float32)
-    gen = GenConfig(max_new_tokens=48)
-    for prompt, config in [("Write a haiku about the sea.", DraftConfig(4)),
-                           ("List three prime numbers.", DraftConfig(3, top_k=3, total=8))]:
-        ids = tok.chat_prompt(prompt)
-        plain = generate_ar(model, ids, gen, tok.stop_ids).token_ids
-        proposer = DraftModelProposer(truncated_draft(model, 8), config, 512)
-        assert generate_spec(model, proposer, ids, gen, tok.stop_ids).token_ids == plain, prompt
-
-
 def test_llama3_tokenizer_model_and_chat_format(tmp_path):
     """Llama 3's original/tokenizer.model: base64 token and rank per line, then 256 specials."""
     import base64
