@@ -108,6 +108,9 @@ def convert(linear: nn.Linear, form: str, name: str) -> nn.Module:
     if w.device.type != "cpu":
         raise QuantizeError(f"--weights {form}: layer {name} is on {w.device}; the weight-only "
                             f"kernels used here are torch's CPU ones: use --weights float")
+    if w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise QuantizeError(f"--weights {form}: layer {name} is in {w.dtype}; the weight-only "
+                            f"kernels take bfloat16, float16 or float32: use --weights float")
     if form == "int4" and w.shape[1] % GROUP:
         raise QuantizeError(f"--weights int4: layer {name} has {w.shape[1]} inputs, not a "
                             f"multiple of the group size {GROUP}: use --weights float or int8")
