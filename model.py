@@ -138,26 +138,21 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # Not F.rms_norm: it rounds once where the reference rounds before the weight.
-        x32 = x.to(torch.promote_types(x.dtype, torch.float32))         # bf16 squares lose too much
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        # normalized in >= float32 (bf16 squares lose too much), rounded, then weighted: as the
+        # reference rounds (a fused weight would round once)
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+        return self.weight * F.rms_norm(x32, x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 SLOT_BLOCK = 64    # caches hold, and attention reads, whole blocks of this many slots
 
 
 def cache_dtype(dtype: torch.dtype, device) -> torch.dtype:
-    """The dtype of the KV cache and of attention for a model in `dtype`.
-
-    16-bit models attend in their own dtype: on CPU, oneDNN's 16-bit matmuls accumulate in
-    float32 and give a row the same result whatever else shares the call (see `attend`).
-    float32 models attend in float64 on CPU: the float32 and float64 matmuls (MKL) round a row
-    differently by how many rows share the call and where it sits among them; in float64 those
-    differences (~1e-16) vanish in the rounding back to float32, but for about one value in
-    10^8, where in float32 they would change the last bit of many."""
-    if torch.device(device).type == "cpu" and dtype == torch.float32:
-        return torch.float64
+    """The dtype of the KV cache and of attention for a model in `dtype`: float32 for 16-bit
+    models on CPU, where attention's small matmuls run faster in float32 than in 16 bits, and a
+    float32 cache spares casting every cached key and value on every forward."""
+    if torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
     return dtype
 
 
@@ -223,19 +218,18 @@ def attend(q, keys, values, mask, tail=None):
     Softmax attention that gives a query the bits plain decoding gives it, whatever else shares
     the call. A query's visible slots, in slot order, are the sequence plain decoding attends
     over (its "plain layout"); the weighted sum over them is taken in blocks of SLOT_BLOCK
-    positions of that layout, one matmul a block (oneDNN's give a row the same value for any
-    number of rows), and the blocks are added in order. Blocks of slots that every query sees
-    in slot order are shared; the rest of a tree node's sequence (its ancestors, scattered among
-    other nodes' slots) is gathered per node: `tail` (see `tail_slots`). The max is exact in any
-    order, and exp runs on whole rows. The query heads of one KV head are stacked into one
-    matrix (grouped-query attention)."""
+    positions of that layout, one small matmul a block, and the blocks are added in order.
+    Blocks of slots that every query sees in slot order are shared; the rest of a tree node's
+    sequence (its ancestors, scattered among other nodes' slots) is gathered per node: `tail`
+    (see `tail_slots`). The max is exact in any order, and exp runs on whole rows. The query
+    heads of one KV head are stacked into one matrix (grouped-query attention)."""
     B, T, H, D = q.shape
     K, W = keys.shape[1], keys.shape[2]
-    G, wide = H // K, torch.promote_types(keys.dtype, torch.float32)
+    G = H // K
     q = (q * D ** -0.5).to(keys.dtype).transpose(1, 2).reshape(B, K, G * T, D)
-    scores = (q @ keys.transpose(-1, -2)).view(B, K, G, T, W)          # (B, K, G, T, W)
-    scores = scores.to(wide).masked_fill(~mask.view(-1, 1, 1, T, W), float("-inf"))
-    weights = (scores - scores.amax(-1, keepdim=True)).exp().to(keys.dtype)
+    scores = (whole_groups(q) @ keys.transpose(-1, -2))[:, :, :G * T]  # (B, K, GT, W)
+    scores = torch.where(mask.view(-1, 1, 1, T, W), scores.view(B, K, G, T, W), float("-inf"))
+    weights = (scores - scores.amax(-1, keepdim=True)).exp()           # (B, K, G, T, W)
     if W % SLOT_BLOCK:                      # a cache of another width (training): zero slots
         weights = F.pad(weights, (0, -W % SLOT_BLOCK))
         values = F.pad(values, (0, 0, 0, -W % SLOT_BLOCK))
@@ -246,22 +240,33 @@ def attend(q, keys, values, mask, tail=None):
     if tail is not None:
         _, slots, seen = tail                                          # (T, R) each
         w = weights.gather(-1, slots.expand(B, K, G, T, -1)) * seen    # (B, K, G, T, R)
-        v = values[:, :, slots.flatten()].view(B, K, T, -1, D)         # (B, K, T, R, D)
+        v = values.index_select(2, slots.flatten()).view(B, K, T, -1, D)  # (B, K, T, R, D)
         p, n = block_sums(w.transpose(2, 3), v)                        # (B, K, T, m, G, D), (.., G)
         parts = torch.cat([parts, p.permute(0, 1, 3, 4, 2, 5).reshape(B, K, -1, G * T, D)], 2)
         norms = torch.cat([norms, n.permute(0, 1, 3, 4, 2).reshape(B, K, -1, G * T)], 2)
     # the blocks in order: cumsum adds them one after the other, whatever their number
-    y = parts.to(wide).cumsum(2)[:, :, -1] / norms.cumsum(2)[:, :, -1, :, None]  # (B, K, GT, D)
+    y = parts.cumsum(2)[:, :, -1] / norms.cumsum(2)[:, :, -1, :, None]  # (B, K, GT, D)
     return y.view(B, H, T, D).transpose(1, 2)                           # (B, T, H, D)
 
 
 def block_sums(w, v) -> tuple:
     """w (..., M, L) weights, v (..., L, D) values, L a multiple of SLOT_BLOCK -> per block of
     SLOT_BLOCK: the weighted sums (..., L / SLOT_BLOCK, M, D) and the weights' sums (..., M)."""
-    blocks = w.unflatten(-1, (-1, SLOT_BLOCK))                          # (..., M, n, SLOT_BLOCK)
-    parts = blocks.transpose(-3, -2) @ v.unflatten(-2, (-1, SLOT_BLOCK))  # (..., n, M, D)
-    wide = torch.promote_types(w.dtype, torch.float32)
-    return parts, blocks.sum(-1, dtype=wide).transpose(-1, -2)          # (..., n, M)
+    M = w.shape[-2]
+    blocks = whole_groups(w).unflatten(-1, (-1, SLOT_BLOCK))            # (..., M', n, SLOT_BLOCK)
+    parts = blocks.transpose(-3, -2) @ v.unflatten(-2, (-1, SLOT_BLOCK))  # (..., n, M', D)
+    return parts[..., :M, :], blocks[..., :M, :, :].sum(-1).transpose(-1, -2)   # (..., n, M)
+
+
+ROW_GROUP = 4
+
+
+def whole_groups(x: torch.Tensor) -> torch.Tensor:
+    """(..., M, N) -> (..., M', N): M rounded up to whole groups of ROW_GROUP rows, the new rows
+    zero. CPU float matmuls (MKL) compute rows in groups of 4 and a remainder of 1-3 rows
+    another way, which rounds differently (tested)."""
+    extra = -x.shape[-2] % ROW_GROUP
+    return x if extra == 0 else torch.cat([x, x.new_zeros(*x.shape[:-2], extra, x.shape[-1])], -2)
 
 
 TAIL_BLOCKS = 4            # most blocks a call gathers per query (a tree: 73 nodes fit in 3)

@@ -40,7 +40,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x):
         y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.q,
-                                               self.scales.to(x.dtype))     # (M, O)
+                                               self.scales)                 # (M, O)
         y = y.view(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias
 
@@ -74,7 +74,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x):
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.reshape(-1, x.shape[-1]), self.packed, self.group, self.scales_zeros.to(x.dtype))
+            x.reshape(-1, x.shape[-1]), self.packed, self.group, self.scales_zeros)
         y = y.view(*x.shape[:-1], -1)                                       # (..., O)
         return y if self.bias is None else y + self.bias
 
