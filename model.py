@@ -113,21 +113,21 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
 
 
 def rope_tables(inv_freq: torch.Tensor, positions: int) -> tuple:
-    """(positions, D) cos and sin of every position, HF's half-split layout, in float32.
+    """(positions, D) cos and signed sin of every position, HF's half-split layout, float32:
+    cos = [cos f, cos f], sin = [-sin f, sin f] (the sign of rotate_half folded in).
 
     A table, not cos/sin per forward: a vectorized cos and the scalar one that handles a
     tensor's tail can round differently, so a position's angle would depend on how many
     tokens share the call; looked up, it is the same number in every call."""
     freqs = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq     # (P, D/2)
-    angles = torch.cat([freqs, freqs], dim=-1)                                   # (P, D)
-    return angles.cos(), angles.sin()
+    return (torch.cat([freqs.cos(), freqs.cos()], dim=-1),                       # (P, D)
+            torch.cat([-freqs.sin(), freqs.sin()], dim=-1))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, T, heads, D), cos/sin (B, T, 1, D). Math: x * e^(i * pos * freq) on pairs
-    (x[j], x[j + D/2])."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    """x (B, T, heads, D), cos/sin (B, T, 1, D) from rope_tables. Math: x * e^(i * pos * freq)
+    on pairs (x[j], x[j + D/2]): HF's x * cos + rotate_half(x) * sin, bit for bit."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class RMSNorm(nn.Module):
@@ -234,28 +234,30 @@ def attend(q, keys, values, mask, tail=None):
         weights = F.pad(weights, (0, -W % SLOT_BLOCK))
         values = F.pad(values, (0, 0, 0, -W % SLOT_BLOCK))
         W = weights.shape[-1]
+    # a column of ones beside the values: each block's matmul also sums its weights
+    values = torch.cat([values, values.new_ones(B, K, W, 1)], dim=-1)  # (B, K, W, D + 1)
     shared = W if tail is None else tail[0]
-    parts, norms = block_sums(weights[..., :shared].reshape(B, K, G * T, shared),
-                              values[:, :, :shared])                   # (B, K, n, GT, D), (.., GT)
+    parts = block_sums(weights[..., :shared].reshape(B, K, G * T, shared),
+                       values[:, :, :shared])                          # (B, K, n, GT, D + 1)
     if tail is not None:
         _, slots, seen = tail                                          # (T, R) each
         w = weights.gather(-1, slots.expand(B, K, G, T, -1)) * seen    # (B, K, G, T, R)
-        v = values.index_select(2, slots.flatten()).view(B, K, T, -1, D)  # (B, K, T, R, D)
-        p, n = block_sums(w.transpose(2, 3), v)                        # (B, K, T, m, G, D), (.., G)
-        parts = torch.cat([parts, p.permute(0, 1, 3, 4, 2, 5).reshape(B, K, -1, G * T, D)], 2)
-        norms = torch.cat([norms, n.permute(0, 1, 3, 4, 2).reshape(B, K, -1, G * T)], 2)
+        v = values.index_select(2, slots.flatten()).view(B, K, T, -1, D + 1)   # (B, K, T, R, D+1)
+        p = block_sums(w.transpose(2, 3), v)                           # (B, K, T, m, G, D + 1)
+        parts = torch.cat([parts, p.permute(0, 1, 3, 4, 2, 5).reshape(B, K, -1, G * T, D + 1)], 2)
     # the blocks in order: cumsum adds them one after the other, whatever their number
-    y = parts.cumsum(2)[:, :, -1] / norms.cumsum(2)[:, :, -1, :, None]  # (B, K, GT, D)
+    total = parts.cumsum(2)[:, :, -1]                                   # (B, K, GT, D + 1)
+    y = total[..., :D] / total[..., D:]
     return y.view(B, H, T, D).transpose(1, 2)                           # (B, T, H, D)
 
 
-def block_sums(w, v) -> tuple:
-    """w (..., M, L) weights, v (..., L, D) values, L a multiple of SLOT_BLOCK -> per block of
-    SLOT_BLOCK: the weighted sums (..., L / SLOT_BLOCK, M, D) and the weights' sums (..., M)."""
+def block_sums(w, v) -> torch.Tensor:
+    """w (..., M, L) weights, v (..., L, E) values, L a multiple of SLOT_BLOCK -> the weighted
+    sums of each block of SLOT_BLOCK slots, (..., L / SLOT_BLOCK, M, E)."""
     M = w.shape[-2]
     blocks = whole_groups(w).unflatten(-1, (-1, SLOT_BLOCK))            # (..., M', n, SLOT_BLOCK)
-    parts = blocks.transpose(-3, -2) @ v.unflatten(-2, (-1, SLOT_BLOCK))  # (..., n, M', D)
-    return parts[..., :M, :], blocks[..., :M, :, :].sum(-1).transpose(-1, -2)   # (..., n, M)
+    parts = blocks.transpose(-3, -2) @ v.unflatten(-2, (-1, SLOT_BLOCK))  # (..., n, M', E)
+    return parts[..., :M, :]
 
 
 ROW_GROUP = 4
@@ -266,7 +268,7 @@ def whole_groups(x: torch.Tensor) -> torch.Tensor:
     zero. CPU float matmuls (MKL) compute rows in groups of 4 and a remainder of 1-3 rows
     another way, which rounds differently (tested)."""
     extra = -x.shape[-2] % ROW_GROUP
-    return x if extra == 0 else torch.cat([x, x.new_zeros(*x.shape[:-2], extra, x.shape[-1])], -2)
+    return x if extra == 0 else F.pad(x, (0, 0, 0, extra))
 
 
 TAIL_BLOCKS = 4            # most blocks a call gathers per query (a tree: 73 nodes fit in 3)
@@ -366,7 +368,7 @@ class Llama(nn.Module):
 
 
 class Rope(nn.Module):
-    """RoPE's cos and sin by position, looked up in tables built once (see `rope_tables`)."""
+    """RoPE's cos and signed sin by position, looked up in tables built once (`rope_tables`)."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
