@@ -183,7 +183,8 @@ def run_bench(args, build) -> dict:
                 history += [("user", text), ("assistant", tokenizer.decode(answer))]
             bar.update(1)
     bar.close()
-    target_mb = sum(p.numel() * p.element_size() for p in target.parameters()) / 2**20
+    from proposers import module_bytes
+    target_mb = module_bytes(target) / 2**20          # quantized weights are buffers
     runs = []
     for T in args.temperatures:
         summary = summarize([r for r in records if r.temperature == T], methods, extra_mb,

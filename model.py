@@ -226,6 +226,8 @@ def attend(q, keys, values, mask, tail=None):
     B, T, H, D = q.shape
     K, W = keys.shape[1], keys.shape[2]
     G = H // K
+    if T > QUERY_CHUNK and tail is None:
+        return attend_prefill(q, keys, values, mask)
     q = (q * D ** -0.5).to(keys.dtype).transpose(1, 2).reshape(B, K, G * T, D)
     scores = (whole_groups(q) @ keys.transpose(-1, -2))[:, :, :G * T]  # (B, K, GT, W)
     scores = torch.where(mask.view(-1, 1, 1, T, W), scores.view(B, K, G, T, W), float("-inf"))
@@ -236,19 +238,38 @@ def attend(q, keys, values, mask, tail=None):
         W = weights.shape[-1]
     # a column of ones beside the values: each block's matmul also sums its weights
     values = torch.cat([values, values.new_ones(B, K, W, 1)], dim=-1)  # (B, K, W, D + 1)
-    shared = W if tail is None else tail[0]
-    parts = block_sums(weights[..., :shared].reshape(B, K, G * T, shared),
-                       values[:, :, :shared])                          # (B, K, n, GT, D + 1)
-    if tail is not None:
-        _, slots, seen = tail                                          # (T, R) each
-        w = weights.gather(-1, slots.expand(B, K, G, T, -1)) * seen    # (B, K, G, T, R)
-        v = values.index_select(2, slots.flatten()).view(B, K, T, -1, D + 1)   # (B, K, T, R, D+1)
-        p = block_sums(w.transpose(2, 3), v)                           # (B, K, T, m, G, D + 1)
-        parts = torch.cat([parts, p.permute(0, 1, 3, 4, 2, 5).reshape(B, K, -1, G * T, D + 1)], 2)
+    parts = block_sums(weights.reshape(B, K, G * T, W), values)        # (B, K, n, GT, D + 1)
+    if tail is not None:                    # the queries whose slots are not their layout
+        shared, rows, slots, seen = tail                               # (Q,), (Q, R), (Q, R)
+        Q, first = rows.shape[0], shared // SLOT_BLOCK
+        w = weights[:, :, :, rows].gather(-1, slots.expand(B, K, G, Q, -1)) * seen   # (B,K,G,Q,R)
+        v = values.index_select(2, slots.flatten()).view(B, K, Q, -1, D + 1)    # (B, K, Q, R, D+1)
+        p = block_sums(w.transpose(2, 3), v)                           # (B, K, Q, m, G, D + 1)
+        p = p.permute(0, 1, 3, 4, 2, 5).reshape(B, K, -1, G * Q, D + 1)  # (B, K, m, GQ, D + 1)
+        p = F.pad(p, (0, 0, 0, 0, 0, parts.shape[2] - first - p.shape[2]))   # zero blocks after
+        at = (torch.arange(G, device=rows.device)[:, None] * T + rows).flatten()  # their rows
+        parts[:, :, first:] = parts[:, :, first:].index_copy(3, at, p)
     # the blocks in order: cumsum adds them one after the other, whatever their number
     total = parts.cumsum(2)[:, :, -1]                                   # (B, K, GT, D + 1)
     y = total[..., :D] / total[..., D:]
     return y.view(B, H, T, D).transpose(1, 2)                           # (B, T, H, D)
+
+
+def attend_prefill(q, keys, values, mask):
+    """attend for a call of more than QUERY_CHUNK queries: a prefill (a prompt, or a whole
+    conversation), whose rows no other call computes (verification never has that many), so
+    the fastest kernel serves: SDPA, which `attend`'s per-block sums would take several times
+    as long as on a long prompt. Same shapes in and out as `attend`."""
+    T = q.shape[1]
+    q = q.transpose(1, 2).to(keys.dtype)                                # (B, H, T, D)
+    causal = torch.ones(T, T, dtype=torch.bool, device=mask.device).tril()
+    if mask.dim() == 2 and torch.equal(mask[:, :T], causal) and not mask[:, T:].any():
+        # a prompt from slot 0: SDPA skips the masked half without a mask
+        y = F.scaled_dot_product_attention(q, keys[:, :, :T], values[:, :, :T], is_causal=True,
+                                           enable_gqa=True)
+    else:
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    return y.transpose(1, 2)                                            # (B, T, H, D)
 
 
 def block_sums(w, v) -> torch.Tensor:
@@ -261,6 +282,7 @@ def block_sums(w, v) -> torch.Tensor:
 
 
 ROW_GROUP = 4
+QUERY_CHUNK = 128          # calls of more queries are prefills (see attend_prefill)
 
 
 def whole_groups(x: torch.Tensor) -> torch.Tensor:
@@ -275,23 +297,25 @@ TAIL_BLOCKS = 4            # most blocks a call gathers per query (a tree: 73 no
 
 
 def tail_slots(mask: torch.Tensor):
-    """What `attend` gathers per query of a (T, W) mask: None where every query's visible slots
-    are the first ones (plain decoding, chains, prefill: the cache is their plain layout), or
-    where the unshared part spans more than TAIL_BLOCKS blocks (training's unrolled masks, which
-    no other call must reproduce); else (shared, slots, seen): the first `shared` slots (whole
-    blocks) every query sees in slot order, then slots (T, R) the slot at each later position
-    of each query's plain layout, seen (T, R) whether that position exists."""
+    """What `attend` gathers for a (T, W) mask: None where every query's visible slots are the
+    first ones (plain decoding, chains, prefill: the cache is their plain layout), or where the
+    gathered part would span more than TAIL_BLOCKS blocks (training's unrolled masks, which no
+    other call must reproduce); else (shared, rows, slots, seen): the first `shared` slots
+    (whole blocks) every query sees in slot order; rows (Q,) the queries whose visible slots
+    are not the first ones (a tree's nodes off its first path); slots (Q, R) the slot at each
+    later position of their plain layouts, seen (Q, R) whether that position exists."""
     T, W = mask.shape
     count = mask.sum(1)                                                 # (T,) visible slots
-    if bool((mask == (torch.arange(W, device=mask.device) < count[:, None])).all()):
+    rows = (mask != (torch.arange(W, device=mask.device) < count[:, None])).any(1).nonzero()[:, 0]
+    if rows.numel() == 0:
         return None
     shared = int(mask.all(0).long().cumprod(0).sum()) // SLOT_BLOCK * SLOT_BLOCK
-    R = round_up(int(count.max())) - shared
+    R = round_up(int(count[rows].max())) - shared
     if R > TAIL_BLOCKS * SLOT_BLOCK:
         return None
-    order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices   # visible first
-    seen = torch.arange(shared, shared + R, device=mask.device) < count[:, None]
-    return shared, order[:, shared:shared + R], seen
+    order = torch.sort((~mask[rows]).to(torch.uint8), dim=1, stable=True).indices  # seen first
+    seen = torch.arange(shared, shared + R, device=mask.device) < count[rows, None]
+    return shared, rows, order[:, shared:shared + R], seen
 
 
 class MLP(nn.Module):

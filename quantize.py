@@ -129,9 +129,3 @@ def quantize(module: nn.Module, form: str, head_form: str | None = None) -> nn.M
                 chosen = head_form or form if full == "lm_head" else form
                 setattr(parent, name, convert(child, chosen, full))
     return module
-
-
-def quantized_bytes(module: nn.Module) -> int:
-    """Bytes of the quantized layers' buffers (packed weights and their scales)."""
-    return sum(b.numel() * b.element_size() for m in module.modules()
-               if isinstance(m, (Int8Linear, Int4Linear)) for b in m.buffers(recurse=False))

@@ -547,8 +547,7 @@ def forward_costs(model, sizes, batch: int = 1, prefix: int = 128, repeats: int 
 
     The sizes take turns, one forward each per round: a burst of load on this shared machine
     then slows one round of every size, not all repeats of one (timed size after size, one
-    such burst made every size ~50% slow and flipped the few-row kernel choice, which the
-    cache then kept)."""
+    such burst made every size ~50% slow, and the cache then kept it)."""
     import statistics
     device = model.embed.weight.device
     cache = model.new_cache(batch, prefix + max(sizes))

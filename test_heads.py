@@ -926,11 +926,12 @@ def test_add_chain_shares_the_prefix_the_tree_has():
     from tree import add_chain, make_tree
     tree = make_tree([9, 1, 2, 3], [-1, 0, 0, 1])               # 9 -> 1 -> 3, 9 -> 2
     grown = add_chain(tree, [1, 3, 5, 6])                      # shares 1 -> 3, adds 5 -> 6
-    assert grown.tokens.tolist() == [9, 1, 2, 3, 5, 6]
-    assert grown.parents.tolist() == [-1, 0, 0, 1, 3, 4]
-    assert grown.depths.tolist() == [0, 1, 1, 2, 3, 4]
+    assert grown.tokens.tolist() == [9, 1, 3, 5, 6, 2], "the chain's nodes come first"
+    assert grown.parents.tolist() == [-1, 0, 1, 2, 3, 0]
+    assert grown.depths.tolist() == [0, 1, 2, 3, 4, 1]
     branch = add_chain(tree, [4, 1])                           # a new branch from the root
-    assert branch.parents.tolist()[4:] == [0, 4] and branch.tokens.tolist()[4:] == [4, 1]
+    assert branch.tokens.tolist() == [9, 4, 1, 1, 2, 3]
+    assert branch.parents.tolist() == [-1, 0, 1, 0, 0, 3]
     assert add_chain(tree, [1, 3]).size == 4 and add_chain(tree, []).size == 4
 
 

@@ -162,7 +162,7 @@ def best_nodes(tree: Tree, n: int) -> tuple:
 
 
 def subtree(tree: Tree, kept: torch.Tensor) -> Tree:
-    """The nodes `kept` (sorted, closed under parents) of a tree, re-indexed."""
+    """The nodes `kept` (closed under parents, each after its parent) of a tree, re-indexed."""
     new_index = torch.full((tree.size,), -1, dtype=torch.long)
     new_index[kept] = torch.arange(kept.shape[0])
     parents = tree.parents[kept]
@@ -170,10 +170,9 @@ def subtree(tree: Tree, kept: torch.Tensor) -> Tree:
     return Tree(tree.tokens[kept], parents, tree.depths[kept], tree.scores[kept])
 
 
-def add_chain(tree: Tree, tokens: list) -> Tree:
-    """The tree plus a chain of tokens from its root, sharing the prefix the tree already has
-    (a trie insert). No node gets two children with the same token: the sampling rule draws one
-    token per node and descends into THE child equal to it."""
+def follow(tree: Tree, tokens: list) -> tuple:
+    """Walk from the root along children with these tokens -> (the last node reached, how many
+    tokens matched)."""
     toks, parents = tree.tokens.tolist(), tree.parents.tolist()
     node, i = 0, 0
     while i < len(tokens):
@@ -182,12 +181,35 @@ def add_chain(tree: Tree, tokens: list) -> Tree:
         if child is None:
             break
         node, i = child, i + 1
-    if i == len(tokens):
-        return tree
-    n = len(toks)
-    new_parents = [node] + list(range(n, n + len(tokens) - i - 1))
-    scores = torch.cat([tree.scores, tree.scores.new_zeros(len(tokens) - i)])
-    return make_tree(toks + list(tokens[i:]), parents + new_parents, scores)
+    return node, i
+
+
+def add_chain(tree: Tree, tokens: list) -> Tree:
+    """The tree plus a chain of tokens from its root, sharing the prefix the tree already has
+    (a trie insert), the chain's nodes first (see `path_first`). No node gets two children
+    with the same token: the sampling rule draws one token per node and descends into THE
+    child equal to it."""
+    node, i = follow(tree, tokens)
+    if i < len(tokens):
+        n = tree.size
+        tree = make_tree(tree.tokens.tolist() + list(tokens[i:]),
+                         tree.parents.tolist() + [node] + list(range(n, n + len(tokens) - i - 1)),
+                         torch.cat([tree.scores, tree.scores.new_zeros(len(tokens) - i)]))
+    return path_first(tree, follow(tree, tokens)[0])
+
+
+def path_first(tree: Tree, node: int) -> Tree:
+    """The same tree with the path root -> node as its first nodes, in depth order, the others
+    after in their order. Why: the verify pass lays nodes out in this order, and a node whose
+    ancestors are exactly the nodes before it reads them in place, where the others' are
+    gathered for them (model.tail_slots)."""
+    path = []
+    while node > 0:
+        path.append(node)
+        node = int(tree.parents[node])
+    on_path = set(path)
+    order = [0] + path[::-1] + [n for n in range(1, tree.size) if n not in on_path]
+    return subtree(tree, torch.tensor(order))
 
 
 def render_tree(tree: Tree, label, accepted, bonus: int) -> str:
