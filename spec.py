@@ -26,11 +26,13 @@ METHODS = ["ar", "draft", "ngram", "medusa", "eagle", "eagle2", "eagle2+ngram"]
 # (depth, top-k, tree size) per method, measured on the MT-bench prompts (README). Tree sizes
 # of the head methods are chosen per machine: auto beat every fixed size tried (eagle2 1.12x
 # over ar with 5 nodes vs 1.09x with 8; medusa 1.04x vs 0.93x; eagle 1.01x vs 0.95x); with
-# 5-node trees a 4th EAGLE-2 round rarely pays (depth 3: 1.16x, depth 4: 1.12x); ngram's 12
-# is its most tokens: a match of n of --ngram-max tokens drafts n / ngram-max of them; the
-# distilled draft's second token is accepted in 9% of steps, for a forward of its own each:
-# a chain of 1 0.90x, of 2 0.84x, of 4 0.71x
-TREE_DEFAULTS = {"draft": (1, 1, 0), "ngram": (12, 1, 0), "medusa": (4, 1, "auto"),
+# 5-node trees a 4th EAGLE-2 round rarely pays (depth 3: 1.16x, depth 4: 1.12x); ngram's 3
+# is its most tokens: a match of n of --ngram-max tokens drafts n / ngram-max of them (each
+# verified row costs since the int4 kernels: MT-bench 3 tokens 1.44x, 4 1.33x, 6 1.37x, 12
+# 1.26x; the other categories 3 1.18x, 6 1.16x; docs/RESULTS.md); the distilled draft's second
+# token is accepted in 9% of steps, for a forward of its own each: a chain of 1 0.90x, of 2
+# 0.84x, of 4 0.71x
+TREE_DEFAULTS = {"draft": (1, 1, 0), "ngram": (3, 1, 0), "medusa": (4, 1, "auto"),
                  "eagle": (5, 1, "auto"), "eagle2": (3, 4, "auto"),
                  "eagle2+ngram": (3, 4, "auto")}
 RANDOM = "random:"                   # --model random:SHAPE (model.SHAPES): for --verify-curve
@@ -758,12 +760,12 @@ def tree_budget(args) -> int:
     return (AUTO_MAX if args.tree_size == "auto" else args.tree_size) + lookup
 
 
-# The prompt-lookup branch of eagle2+ngram, measured (README): 4 tokens tau 2.60, 8 tokens 2.90;
-# later 8 fixed 2.95-3.00, 12 fixed 3.18-3.47, and 24 scaled by the match (8, 16 or 24 after a
-# match of 1, 2 or 3 tokens) 3.69 at the speed of 12 fixed. Longer than ngram's own chain (up
-# to 12, where 16 and 24 measured no faster): beside the tree it rides along in a forward that
-# is paid for anyway.
-LOOKUP_DEPTH = 24
+# The prompt-lookup branch of eagle2+ngram, scaled by the match (2, 4 or 6 tokens after a match
+# of 1, 2 or 3). Each verified row costs since the int4 kernels (docs/RESULTS.md): MT-bench
+# 3 tokens 1.29x, 6 1.36x, 12 1.23x, 24 1.14x over plain decoding; the other categories 3
+# 1.13x, 6 1.10x. (With the earlier oneDNN kernels, whose cost was flat up to ~16 rows, 24
+# measured best.)
+LOOKUP_DEPTH = 6
 
 
 def lookup_depth(args) -> int:
