@@ -255,22 +255,29 @@ def run_all(get, method, flags, prompt, max_new, result=False):
     return out if result else out.token_ids
 
 
+# float32 decodes at a third of the default's speed: 40 tokens a prompt keep the suite short;
+# SPEC_FLOAT32_TOKENS=128 runs it at the default's length (passed at c96ef1f: 245 s).
+FLOAT32_TOKENS = int(os.environ.get("SPEC_FLOAT32_TOKENS", "40"))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [(), ("--dtype", "float32")], ids=["default", "float32"])
-def test_every_method_reproduces_plain_decoding_on_the_default_model(runs, flags):
+@pytest.mark.parametrize("flags, tokens", [((), 128), (("--dtype", "float32"), FLOAT32_TOKENS)],
+                         ids=["default", "float32"])
+def test_every_method_reproduces_plain_decoding_on_the_default_model(runs, flags, tokens):
     """No flags at all (bf16, int4 weights, int8 lm_head: what users run), and float32. The
-    shipped heads and draft are accepted too (untrained, tau would be ~1.0)."""
+    shipped heads and draft are accepted too (untrained, their tau would be ~1.0)."""
     taus = {m: [] for m in METHODS}
     for prompt in PROMPTS:
-        plain = run_all(runs, "ar", flags, prompt, 128)
+        plain = run_all(runs, "ar", flags, prompt, tokens)
         for method in METHODS:
-            out = run_all(runs, method, flags, prompt, 128, result=True)
+            out = run_all(runs, method, flags, prompt, tokens, result=True)
             got = out.token_ids
             assert got == plain, f"{method} {flags}: {prompt!r} differs at token " \
                 f"{next(i for i, (a, b) in enumerate(zip(got + [-1], plain)) if a != b)}"
             taus[method].append(out.tau)
     mean = {m: sum(t) / len(t) for m, t in taus.items()}
-    assert min(mean.values()) > 1.15, f"mean tau per method: {mean}"
+    trained = [mean[m] for m in ("draft", "medusa", "eagle", "eagle2")]
+    assert min(trained) > 1.15, f"mean tau per method: {mean}"
 
 
 SAMPLED = ["ngram", "medusa", "eagle", "eagle2", "eagle2+ngram"]   # drafts are deterministic
@@ -363,8 +370,8 @@ def test_int4_layers_are_the_gguf_files_own_q4_1_blocks(default_path, tmp_path):
 def test_int4_model_agrees_with_the_float32_model(default_path):
     """The default configuration (int4 layers, int8 lm_head, bf16) against float32: the argmax
     at every position of the float32 model's own greedy answers, and perplexity on a fixed
-    text. Measured at this commit: 98.3% agreement (bf16 with float weights: 98.0%),
-    perplexity 7.91 against 7.89."""
+    text. Measured (docs/RESULTS.md): 98.6% agreement (bf16 with float weights: 99.4%),
+    perplexity 7.93 against 7.89."""
     import spec
     from model import load_model
     from test_spec import TEXT, perplexity
@@ -377,7 +384,7 @@ def test_int4_model_agrees_with_the_float32_model(default_path):
     with torch.no_grad():
         for prompt in PROMPTS:
             ids = tok.chat_prompt(prompt)
-            full = ids + generate_ar(ref, ids, GenConfig(48), tok.stop_ids).token_ids
+            full = ids + generate_ar(ref, ids, GenConfig(32), tok.stop_ids).token_ids
             picks = [m(torch.tensor([full]), torch.arange(len(full))[None],
                        m.new_cache(1, len(full)))[0][0, len(ids) - 1:-1].float().argmax(-1)
                      for m in (ref, ours)]
