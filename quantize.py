@@ -11,9 +11,10 @@ call (tested), so a token verified inside a tree gets the bits plain decoding gi
   int8   per output row: w = s * q, q in -127..127          (torch._weight_int8pack_mm)
   int4   per group of 32 inputs: w = d * q + m, q in 0..15  (torch._weight_int4pack_mm_for_cpu)
 
-int4 is exactly llama.cpp's Q4_1 block, so the default model (a Q4_1 file, stored dequantized in
-float32 by default_model.py) gets its original blocks back: `int4_blocks` recovers d, m and q
-from the float weights without rounding.
+int4 is llama.cpp's Q4_1 block, so the default model (a Q4_1 file, stored dequantized in float32
+by default_model.py) gets its original blocks back: `int4_blocks` recovers the file's q exactly,
+and its float16 d and m (tested against the GGUF file); the kernel then holds d and m + 8d in
+the activations' dtype.
 """
 import torch
 import torch.nn.functional as F
@@ -49,7 +50,8 @@ def int4_blocks(w: torch.Tensor, group: int = GROUP) -> tuple:
     """(O, I) float weights -> d, m (O, I/G) and q (O, I) int32 in 0..15 with w ~ d q + m.
 
     For weights that are Q4_1 blocks (a block's q spans 0..15, as llama.cpp's quantizer
-    makes it) this is exact: m is the block's minimum and d = (max - min) / 15."""
+    makes it) this is the block: m its minimum, d = (max - min) / 15 (the file's float16 d
+    once rounded to float16), q exact."""
     O, I = w.shape
     blocks = w.float().reshape(O, I // group, group)                       # (O, I/G, G)
     m = blocks.amin(-1, keepdim=True)

@@ -267,8 +267,8 @@ def build_proposer(args, target, tokenizer, slots):
         if why:
             raise ValueError(f"draft and target tokenizers differ: {why}. A draft must share the "
                              "target's exact tokenizer, or its tokens mean other words")
-        draft = load_model(folder, target.embed.weight.dtype, args.device)
-        draft = share_embeddings(quantize(draft, draft_form(args, draft)), target)
+        draft = share_embeddings(load_model(folder, target.embed.weight.dtype, args.device), target)
+        draft = quantize(draft, draft_form(args, draft))       # skips what is the target's
         vocab = None if args.full_draft_vocab else load_draft_vocab(name, target.config.vocab_size)
     params = sum(p.numel() for p in draft.parameters())
     if args.compile:
