@@ -120,8 +120,8 @@ def rope_tables(inv_freq: torch.Tensor, positions: int) -> tuple:
     tensor's tail can round differently, so a position's angle would depend on how many
     tokens share the call; looked up, it is the same number in every call."""
     freqs = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq     # (P, D/2)
-    return (torch.cat([freqs.cos(), freqs.cos()], dim=-1),                       # (P, D)
-            torch.cat([-freqs.sin(), freqs.sin()], dim=-1))
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)         # (P, D) each
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,6 @@ whatever shares the call; the default model as its Q4_1 blocks; every method rep
 decoding token for token in the default configuration, greedy and sampled; what is streamed is
 what is returned. Oracles: each row computed alone, plain decoding, the GGUF file's own blocks,
 the float32 model, exact distributions."""
-import io
 import os
 
 import numpy as np
@@ -14,7 +13,7 @@ from kernels import sample_at, uniform
 from model import Llama, LlamaConfig, RMSNorm, Rope, apply_rope, attend, round_up, tail_slots
 from quantize import Float32Linear, Int4Linear, Int8Linear, QuantizeError, as_float32, quantize
 from spec import GenConfig, generate_ar, generate_spec
-from test_spec import chi_square_p, default_path, tiny_model  # noqa: F401 (a fixture)
+from test_spec import chi_square_p, default_path  # noqa: F401 (default_path is a fixture)
 
 transformers = pytest.importorskip("transformers")
 from tree import ancestor_mask, make_tree, positions

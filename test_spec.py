@@ -12,7 +12,7 @@ import torch
 import kernels
 from kernels import accept_chain_sampled, accept_tree, sample
 from model import KVCache, Llama, LlamaConfig, LoadError, load_model
-from proposers import DraftConfig, DraftModelProposer, truncated_draft
+from proposers import DraftConfig, DraftModelProposer
 from spec import GenConfig, generate_ar, generate_spec
 from tree import (Tree, ancestor_mask, chain, grow_tree, make_tree, positions, retrieve_indices,
                   static_tree)

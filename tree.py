@@ -195,7 +195,8 @@ def add_chain(tree: Tree, tokens: list) -> Tree:
         tree = make_tree(tree.tokens.tolist() + list(tokens[i:]),
                          tree.parents.tolist() + [node] + list(range(n, n + len(tokens) - i - 1)),
                          torch.cat([tree.scores, tree.scores.new_zeros(len(tokens) - i)]))
-    return path_first(tree, follow(tree, tokens)[0])
+        node = tree.size - 1                             # the chain's last node
+    return path_first(tree, node)
 
 
 def path_first(tree: Tree, node: int) -> Tree:
