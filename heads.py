@@ -29,7 +29,6 @@ class HeadConfig:
     num_heads: int = 4           # Medusa: M heads, head i predicts i + 2 tokens ahead
     layer: dict = field(default_factory=dict)     # EAGLE: LlamaConfig fields of its decoder layer
     accuracy: list = field(default_factory=list)  # [depth][rank] measured P(correct | path so far)
-    own_projection: bool = False  # Medusa: each head has its own (M, R, C) projection
     taps: list = field(default_factory=list)      # EAGLE: target layers fused with the final one
 
     def check(self, target: LlamaConfig, folder: str) -> None:
@@ -44,8 +43,7 @@ class HeadConfig:
 
 class EagleHead(nn.Module):
     """EAGLE (Li et al. 2024, arXiv 2401.15077): fc over [embedding of the next token; feature],
-    one Llama decoder layer (or `layer.num_layers` of them) with its own KV cache, output =
-    predicted next feature.
+    one Llama decoder layer with its own KV cache, output = predicted next feature.
 
     With taps (EAGLE-3, Li et al. 2025, arXiv 2503.01840), the feature of a committed token is
     fused from the outputs of the target layers `taps` and its final feature: fuse(kC + C -> C),
@@ -56,7 +54,7 @@ class EagleHead(nn.Module):
         C = layer.hidden_size
         self.layer_config, self.taps = layer, tuple(sorted(taps))   # Llama.forward's order
         self.fc = nn.Linear(2 * C, C)
-        self.layers = nn.ModuleList(Block(layer) for _ in range(layer.num_layers))
+        self.layers = nn.ModuleList([Block(layer)])       # "layers.0." in the files, as in Llama
         if self.taps:
             self.fuse = nn.Linear((len(self.taps) + 1) * C, C, bias=False)
             with torch.no_grad():                                       # [0 ... 0 | I]
@@ -86,8 +84,8 @@ class EagleHead(nn.Module):
         seen = attention_mask(start, T, mask, min(round_up(start + T), cache.slots), feats.device)
         cos, sin = self.rope(positions.expand(B, T), feats.dtype)
         x = self.fc(torch.cat([embeds, feats], dim=-1))                   # (B, T, C)
-        for i, block in enumerate(self.layers):                 # a draft: no tail (see attend)
-            x = block(x, cos, sin, cache.k[i], cache.v[i], start, seen)
+        # a draft: no tail (see attend)
+        x = self.layers[0](x, cos, sin, cache.k[0], cache.v[0], start, seen)   # (B, T, C)
         cache.length = start + T
         return x
 
@@ -101,17 +99,13 @@ class MedusaHeads(nn.Module):
     """Medusa (Cai et al. 2024): M residual blocks x + SiLU(W x) on the target's final feature;
     zero-initialized, so each starts as the target's own next-token head."""
 
-    def __init__(self, hidden_size: int, num_heads: int, vocab_ids: torch.Tensor,
-                 own_projection: bool = False):
+
+    def __init__(self, hidden_size: int, num_heads: int, vocab_ids: torch.Tensor):
         super().__init__()
         self.blocks = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_heads))
         for b in self.blocks:
             nn.init.zeros_(b.weight), nn.init.zeros_(b.bias)
         self.register_buffer("vocab_ids", vocab_ids.long())              # (R,)
-        # Medusa-1 gives every head its own trainable projection (started from the target's
-        # rows); the default shares the target's frozen one: M x R x C fewer parameters
-        self.proj = (nn.Parameter(torch.zeros(num_heads, len(vocab_ids), hidden_size))
-                     if own_projection else None)                       # (M, R, C)
 
     def forward(self, hidden):
         """hidden (..., C) -> (..., M, C): one feature per head, for the shared projection."""
@@ -120,10 +114,7 @@ class MedusaHeads(nn.Module):
     def logits(self, hidden, shared) -> torch.Tensor:
         """hidden (..., C), shared: the projection onto the target's rows (a module C -> R, see
         `projection`) -> (..., M, R)."""
-        feats = self(hidden)                                             # (..., M, C)
-        if self.proj is None:
-            return shared(feats)
-        return torch.einsum("...mc,mrc->...mr", feats, self.proj)
+        return shared(self(hidden))                                      # (..., M, R)
 
 
 def projection_rows(target, vocab_ids: torch.Tensor) -> torch.Tensor:
@@ -143,29 +134,12 @@ def projection(target, vocab_ids: torch.Tensor) -> nn.Linear:
 def build_head(config: HeadConfig, vocab_ids: torch.Tensor) -> nn.Module:
     if config.kind == "eagle":
         return EagleHead(LlamaConfig(**config.layer), vocab_ids, config.taps)
-    return MedusaHeads(config.hidden_size, config.num_heads, vocab_ids, config.own_projection)
+    return MedusaHeads(config.hidden_size, config.num_heads, vocab_ids)
 
 
-def eagle_layer_config(target: LlamaConfig, layers: int = 1) -> dict:
-    """The head's decoder layers: the target's layer shape, `layers` of them, no RoPE scaling."""
-    return asdict(target) | {"num_layers": layers, "rope_scaling": None}
-
-
-def grow_layers(head: EagleHead, config: HeadConfig, layers: int) -> EagleHead:
-    """The head with `layers` decoder layers: its own first, then new ones that start as the
-    identity (output projections zero, so each adds nothing to the residual stream until
-    trained). config.layer is updated."""
-    have = head.layer_config.num_layers
-    if layers < have:
-        raise ValueError(f"the head has {have} layers; it can grow, not shrink to {layers}")
-    config.layer = config.layer | {"num_layers": layers}
-    grown = build_head(config, head.vocab_ids).to(head.fc.weight)         # its dtype and device
-    missing = grown.load_state_dict(head.state_dict(), strict=False).missing_keys
-    assert all(k.startswith("layers.") and int(k.split(".")[1]) >= have for k in missing), missing
-    with torch.no_grad():
-        for block in grown.layers[have:]:
-            block.attn.wo.weight.zero_(), block.mlp.w2.weight.zero_()
-    return grown
+def eagle_layer_config(target: LlamaConfig) -> dict:
+    """The head's decoder layer: the target's layer shape, one layer, no RoPE scaling."""
+    return asdict(target) | {"num_layers": 1, "rope_scaling": None}
 
 
 # ---------------------------------------------------------------- files
@@ -199,6 +173,9 @@ def read_head_config(folder: str) -> HeadConfig:
             config = json.load(f)
             if "kind" not in config:            # a whole model's HF config, a draft's say
                 raise TypeError("no 'kind': a model's config? a draft model goes to --draft")
+            if config.pop("own_projection", False):
+                raise LoadError(f"{folder}/config.json: Medusa heads with projections of their "
+                                "own are not supported; train heads that share the target's")
             return HeadConfig(**config)
         except (json.JSONDecodeError, TypeError) as e:
             raise LoadError(f"{folder}/config.json: not a head config ({e})") from None
@@ -216,7 +193,7 @@ def load_head(folder: str, target, kind: str) -> tuple:
         tensors = load_file(f"{folder}/model.safetensors")
     except (SafetensorError, OSError) as e:
         raise LoadError(f"{folder}/model.safetensors: unreadable ({e})") from None
-    # heads saved before heads could have several layers name their one layer "layer."
+    # heads saved by older versions name their decoder layer "layer."
     tensors = {("layers.0." + k.removeprefix("layer.") if k.startswith("layer.") else k): v
                for k, v in tensors.items()}
     head = build_head(config, tensors.get("vocab_ids", torch.zeros(config.draft_vocab)))

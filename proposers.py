@@ -1,22 +1,34 @@
 """Proposers: they draft a tree of candidate tokens; the target verifies it in one pass.
 
-Dimensions: N tree nodes, K drafted chain tokens, V vocab, P pending tokens.
-
-Every proposer has the same three calls, used by spec.generate_spec:
-  start(prompt_ids, hidden)              before the first step; hidden (P, C) the target's final
-                                         features of the prompt (EAGLE and Medusa read them);
-  propose(root, gen, generator)          -> (Tree, q): q (K, V) the draft's distributions when the
-                                         chain was sampled from them, else None (deterministic);
-  commit(tree, accepted, hidden)         the accepted node indices (root first) after verification,
-                                         with the target's features of all tree nodes (N, C).
+Dimensions: N tree nodes, K drafted chain tokens, V vocab, P pending tokens, C features.
+Every proposer follows the `Proposer` protocol, which decode.generate_spec drives.
 """
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from heads import projection
 from kernels import target_probs, sample
 from model import Llama, LlamaConfig
 from tree import Tree, add_chain, ancestor_mask, best_nodes, chain, grow_tree
+
+
+class Proposer(Protocol):
+    """What decode.generate_spec needs of a way of drafting."""
+    max_nodes: int       # most tree nodes one proposal verifies, root included (cache room)
+    taps: tuple          # target layers whose outputs it reads beside the final feature
+
+    def start(self, prompt_ids: list, hidden: torch.Tensor | None) -> None:
+        """Before the first step; hidden (P, C): the target's final features of the prompt."""
+
+    def propose(self, root: int, gen, generator) -> tuple:
+        """-> (Tree rooted at the target's last token, q): q (K, V) the draft's distributions
+        when its chain was sampled from them (Leviathan's rule verifies it), else None."""
+
+    def commit(self, tree: Tree, accepted: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        """After verification: accepted node indices (root first); hidden (N, C) the target's
+        features of all tree nodes."""
 
 
 @dataclass
@@ -111,7 +123,6 @@ class DraftModelProposer:
         (on a small draft the projection is most of a forward's cost) with `proj` (a module
         C -> R; default heads.projection of the draft); None: all V. A sampled chain always
         draws from the whole distribution."""
-        from heads import projection
         self.model, self.config, self.slots = model, config, slots
         self.device = model.embed.weight.device
         self.max_nodes = config.total + 1            # verified nodes per step, root included
@@ -120,6 +131,10 @@ class DraftModelProposer:
         self.proj = None
         if vocab_ids is not None:
             self.proj = proj if proj is not None else projection(model, vocab_ids)   # C -> R
+        self.cache = None            # made by start: the committed tokens' keys and values
+        self.pending = []            # accepted tokens the draft has not fed itself yet
+        self.base = self.root_slot = 0
+        self.node_slot = None        # (nodes,) each tree node's cache slot, -1 if not fed
 
     def logits(self, ids, pos, mask=None, full=False, last_only=False) -> torch.Tensor:
         """Feed (1, T) tokens into the draft's cache -> (T, V) logits (last_only: (1, V)), or
@@ -219,6 +234,7 @@ class PromptLookupProposer:
         self.depth, self.max_ngram, self.by_match = depth, max_ngram, by_match
         self.max_nodes = depth + 1
         self.taps = ()
+        self.context = torch.zeros(0, dtype=torch.long)   # the committed tokens
 
     def start(self, prompt_ids: list, hidden=None) -> None:
         self.context = torch.tensor(prompt_ids, dtype=torch.long)
@@ -259,13 +275,16 @@ class EagleProposer:
                  proj=None):
         """proj: the projection onto the draft vocabulary, a module C -> R (default
         heads.projection; spec.py may pass a quantized one)."""
-        from heads import projection
         self.target, self.head, self.config, self.static = target, head, config, static
         self.slots, self.device = slots, target.embed.weight.device
         self.proj = proj if proj is not None else projection(target, head.vocab_ids)
         self.vocab_ids = head.vocab_ids.cpu()
         self.max_nodes = (static.parents.shape[0] if static is not None else config.total + 1)
         self.taps = head.taps                   # target layers whose outputs the head reads
+        self.cache = None                       # made by start: the head's own KV cache
+        self.pending_feats, self.pending_tokens = None, []   # accepted, not yet fed to the head
+        self.root_slot = 0
+        self.node_out = self.node_slot = None   # per tree node: predicted feature, cache slot
 
     def start(self, prompt_ids: list, hidden=None) -> None:
         self.cache = self.head.new_cache(self.slots)
@@ -343,16 +362,15 @@ class MedusaProposer:
 
     def __init__(self, target: Llama, head, static, proj=None):
         """proj: the shared projection onto the draft vocabulary, a module C -> R (default
-        heads.projection); unused by heads with their own projections."""
-        from heads import projection
+        heads.projection)."""
         self.head, self.static = head, static
-        self.proj = None if head.proj is not None else (
-            proj if proj is not None else projection(target, head.vocab_ids))
+        self.proj = proj if proj is not None else projection(target, head.vocab_ids)
         self.vocab_ids = head.vocab_ids.cpu()
         self.max_nodes = static.parents.shape[0]
         self.taps = ()                                # the final feature only
         if int(static.depths.max()) > len(head.blocks):
             raise ValueError(f"tree depth {int(static.depths.max())} > {len(head.blocks)} heads")
+        self.feature = None                           # (C,) the last accepted token's feature
 
     def start(self, prompt_ids: list, hidden=None) -> None:
         self.feature = hidden[-1]                                           # (C,)
@@ -374,18 +392,14 @@ class LookupEagleProposer:
     same verify pass: lookup is strong exactly where the head is weak (copying from the input),
     and a few more tokens cost little to verify."""
 
-    def __init__(self, eagle: EagleProposer, lookup: PromptLookupProposer,
-                 full_match_rounds: int | None = 1):
-        """full_match_rounds: the head's drafting rounds in a step whose chain matched all
-        lookup.max_ngram tokens (None: all of them, as in every other step). Why (README):
-        after a full match the chain's first token is accepted in 75-80% of MT-bench's steps
-        and the chain ~7 tokens deep on average, while the head's nodes off the chain add
-        ~0.4 tokens a step. One round still offers the root's alternatives for when the chain
-        is wrong; skipping the others saves their drafting and verifying: MT-bench 1.52x ->
-        1.72x over plain decoding (medians of six runs), the other five categories 1.26x ->
-        1.20x (two runs)."""
+    # After a chain that matched all lookup.max_ngram tokens the head drafts one round only:
+    # such a chain's first token is accepted in 75-80% of MT-bench's steps, while the head's
+    # nodes off it add ~0.4 tokens a step; one round still offers the root's alternatives for
+    # when the chain is wrong (docs/TRAINING.md: MT-bench 1.52x -> 1.72x over plain decoding).
+    FULL_MATCH_ROUNDS = 1
+
+    def __init__(self, eagle: EagleProposer, lookup: PromptLookupProposer):
         self.eagle, self.lookup = eagle, lookup
-        self.full_match_rounds = full_match_rounds
         self.max_nodes = eagle.max_nodes + lookup.depth
         self.taps = eagle.taps
 
@@ -397,7 +411,7 @@ class LookupEagleProposer:
         lookup, n = self.lookup.continuation(root)
         full = n == self.lookup.max_ngram
         tree, _ = self.eagle.propose(root, gen, generator, riders=len(lookup),
-                                     depth=self.full_match_rounds if full else None)
+                                     depth=self.FULL_MATCH_ROUNDS if full else None)
         return add_chain(tree, lookup.tolist()), None
 
     def commit(self, tree: Tree, accepted: torch.Tensor, hidden=None) -> None:

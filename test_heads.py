@@ -12,7 +12,7 @@ from heads import (EagleHead, HeadConfig, MedusaHeads, best_paths, eagle_layer_c
                    load_head, save_head)
 from model import LoadError
 from proposers import DraftConfig, DraftModelProposer, EagleProposer, MedusaProposer
-from spec import GenConfig, generate_ar, generate_spec
+from decode import GenConfig, generate_ar, generate_spec
 from test_spec import default_path, tiny_model  # noqa: F401 (default_path is a fixture)
 from tree import static_tree
 
@@ -268,39 +268,33 @@ def test_training_smoke_loss_falls_and_saved_head_decodes_the_same(tmp_path):
     th.extract_features(target, TinyTokenizer(), rows, str(tmp_path / "f"), 8, 24, 64)
     seqs = th.load_features(str(tmp_path / "f"))
     assert len(seqs) == 40 and all(len(s.hidden) == len(s.tokens) - 1 for s in seqs)
-    for method, own in (("eagle", False), ("medusa", False), ("medusa", True)):
-        name = method + ("_own" if own else "")
+    for method in ("eagle", "medusa"):
         vocab = th.draft_vocabulary(seqs, 40, (0,))
         c = target.config
         config = HeadConfig(method, c.hidden_size, c.vocab_size, len(vocab), 3,
-                            eagle_layer_config(c) if method == "eagle" else {},
-                            own_projection=own)
+                            eagle_layer_config(c) if method == "eagle" else {})
         head = build_head(config, vocab)
         proj = projection_rows(target, vocab)
-        if own:
-            with torch.no_grad():
-                head.proj.copy_(proj.expand_as(head.proj))
         def loss_of(h):
             return ((lambda s: th.eagle_loss(h, target.embed, proj, th.make_batch(s), 3, 0.1))
                     if method == "eagle" else (lambda s: th.medusa_loss(h, proj, th.make_batch(s))))
         record = th.train(head, loss_of(head), seqs, th.TrainConfig(epochs=30, tokens_per_batch=256,
-                                                                    lr=3e-3), str(tmp_path / name))
+                                                                    lr=3e-3), str(tmp_path / method))
         first, last = record["losses"][:5], record["losses"][-5:]
         mean = lambda rows: sum(sum(r) / len(r) for r in rows) / len(rows)
-        # soft cross-entropy cannot fall below the target's entropy; a clear drop is the signal
         assert mean(last) < mean(first) - 0.4, f"{method}: loss {mean(first)} -> {mean(last)}"
         config.accuracy = th.accuracy_table(target, head, method, seqs[:8], 3, 4)
-        save_head(head, config, str(tmp_path / f"{name}_out"), {"steps": record["step"]})
+        save_head(head, config, str(tmp_path / f"{method}_out"), {"steps": record["step"]})
 
         # --init: training goes on from the saved head, not from a fresh one
-        again, _ = th.init_head(SimpleNamespace(init=str(tmp_path / f"{name}_out"),
-                                                method=method, taps=(), head_layers=0), target)
+        again, _ = th.init_head(SimpleNamespace(init=str(tmp_path / f"{method}_out"),
+                                                method=method, taps=()), target)
         assert all(p.requires_grad for p in again.parameters())
         more = th.train(again, loss_of(again), seqs[:8], th.TrainConfig(epochs=1, lr=1e-9,
                                                                         tokens_per_batch=256),
-                        str(tmp_path / f"{name}_more"))
+                        str(tmp_path / f"{method}_more"))
         assert mean(more["losses"][:1]) < mean(first) - 0.4, f"{method}: --init starts afresh"
-        loaded, _ = load_head(str(tmp_path / f"{name}_out"), target, method)
+        loaded, _ = load_head(str(tmp_path / f"{method}_out"), target, method)
         head = head.to(torch.bfloat16).float()           # the file holds 16-bit weights
         paths = best_paths(config.accuracy, 6)
         for h in (head, loaded):
@@ -341,7 +335,7 @@ def test_tapped_features_fuse_losslessly_and_a_head_gains_taps_unchanged(tmp_pat
                         layer=eagle_layer_config(target.config))
     save_head(old, config, str(tmp_path / "old"))
     grown, grown_config = th.init_head(SimpleNamespace(init=str(tmp_path / "old"),
-                                                       method="eagle", taps=taps, head_layers=0), target)
+                                                       method="eagle", taps=taps), target)
     assert grown_config.taps == list(taps) and grown.taps == taps
     loaded_old = load_head(str(tmp_path / "old"), target, "eagle")[0]
     prompt, gen = [5, 9, 3, 12], GenConfig(24)
@@ -379,64 +373,19 @@ def test_tapped_features_fuse_losslessly_and_a_head_gains_taps_unchanged(tmp_pat
     assert loaded.taps == taps and torch.equal(loaded.fuse.weight, head.fuse.weight.bfloat16().float())
 
 
-def test_a_head_grows_layers_that_start_as_the_identity_and_learn(tmp_path):
-    import train_heads as th
-    from heads import build_head, grow_layers, projection_rows
+def test_a_head_file_that_names_its_layer_layer_loads_the_same(tmp_path):
     from safetensors.torch import load_file, save_file
     target = tiny_model(6)
     c = target.config
     config = HeadConfig("eagle", c.hidden_size, c.vocab_size, c.vocab_size,
                         layer=eagle_layer_config(c))
     save_head(random_eagle(target, 7), config, str(tmp_path / "old"))
-    # a file from before heads had several layers names its layer "layer.": it loads the same
+    # a file of an older version names its layer "layer.", not "layers.0."
     path = str(tmp_path / "old" / "model.safetensors")
     tensors = load_file(path)
     save_file({k.replace("layers.0.", "layer."): v for k, v in tensors.items()}, path)
     old = load_head(str(tmp_path / "old"), target, "eagle")[0]
     assert all(torch.equal(v.to(old.fc.weight.dtype), old.state_dict()[k]) for k, v in tensors.items())
-
-    # train_heads --init --head-layers 2: the grown head drafts exactly what it drafted before
-    grown, grown_config = th.init_head(SimpleNamespace(init=str(tmp_path / "old"), method="eagle",
-                                                       taps=(), head_layers=2), target)
-    assert len(grown.layers) == 2 and grown_config.layer["num_layers"] == 2
-    gen, trees = GenConfig(24), []
-    for h in (old, grown.to(torch.float64).eval()):
-        steps = []
-        out = generate_spec(target, EagleProposer(target, h, DraftConfig(3, 2, 6), 256), [5, 9, 3],
-                            gen, on_step=lambda t, a, r: steps.append(t.tokens.tolist()))
-        trees.append((out.token_ids, steps))
-    assert trees[0] == trees[1] and len(trees[0][1]) > 3
-    with pytest.raises(ValueError, match="grow, not shrink"):
-        grow_layers(grown, grown_config, 1)
-
-    # with random weights in its new layer it is still exactly plain greedy decoding
-    with torch.no_grad():
-        for p in grown.layers[1].parameters():
-            p.normal_(0, 0.3)
-    prop = EagleProposer(target, grown, DraftConfig(3, 3, 8), 256)
-    for p in ([1, 2, 3], [7], [11, 5, 9, 30, 2, 8]):
-        assert generate_spec(target, prop, p, gen).token_ids == generate_ar(target, p, gen).token_ids
-
-    # a two-layer head learns (the unrolled training keeps one cache tensor per layer) and
-    # saves and loads with both layers
-    target32 = target.float().requires_grad_(False)
-    rows = [(f"q{i} {'ab' * (i % 5)}", None) for i in range(24)]
-    th.extract_features(target32, TinyTokenizer(), rows, str(tmp_path / "f"), 8, 24, 64)
-    seqs = th.load_features(str(tmp_path / "f"))
-    config2 = HeadConfig("eagle", c.hidden_size, c.vocab_size, 40, layer=eagle_layer_config(c, 2))
-    head = build_head(config2, th.draft_vocabulary(seqs, 40, (0,)))
-    proj = projection_rows(target32, head.vocab_ids)
-    record = th.train(head, lambda s: th.eagle_loss(head, target32.embed, proj, th.make_batch(s),
-                                                    3, 0.1),
-                      seqs, th.TrainConfig(epochs=20, tokens_per_batch=256, lr=3e-3,
-                                           bf16=False),      # autocast's copies would hide it
-                      str(tmp_path / "two"))
-    first, last = record["losses"][:5], record["losses"][-5:]
-    assert sum(map(sum, last)) < sum(map(sum, first)) - 0.8 * 3, (first, last)
-    save_head(head, config2, str(tmp_path / "two_out"))
-    loaded = load_head(str(tmp_path / "two_out"), target32, "eagle")[0]
-    assert len(loaded.layers) == 2 and torch.equal(
-        loaded.layers[1].mlp.w2.weight, head.layers[1].mlp.w2.weight.bfloat16().float())
 
 
 # ---------------------------------------------------------------- the benchmark
@@ -459,13 +408,13 @@ def test_bench_reads_both_formats_and_names_bad_lines(tmp_path):
 
 
 def test_bench_per_category_is_not_capped_by_the_default_limit():
-    from spec import parse_args, prompt_limit
+    from bench import prompt_limit
+    from spec import parse_args
     # 5 categories x 3 prompts: all 15 run unless --limit says otherwise
     bench = ["--bench", "p.jsonl", "--categories", "a,b,c,d,e", "--per-category", "3"]
     assert prompt_limit(parse_args(bench)) == 0
     assert prompt_limit(parse_args(bench + ["--limit", "4"])) == 4
     assert prompt_limit(parse_args(["--bench", "p.jsonl"])) == 10
-    assert prompt_limit(parse_args(["--compare-hf"])) == 10
 
 
 @pytest.mark.slow
@@ -558,38 +507,6 @@ def test_training_time_test_unroll_equals_drafting_at_inference():
             assert torch.allclose(out, outs[j][0, i], rtol=0, atol=1e-10), f"step {j}, entry {i}"
 
 
-def test_feature_noise_perturbs_only_what_the_first_step_reads_within_its_bound():
-    """--feature-noise A: the head's first step reads the target's features plus U(-A, A),
-    drawn from the generator (same seed, same draws); the batch itself is left as it was, and
-    A = 0 is the plain unroll."""
-    import train_heads as th
-    target = tiny_model(6)
-    head = random_eagle(target, 2)
-    tokens = torch.randint(0, 60, (40,), generator=torch.Generator().manual_seed(1))
-    hidden = target(tokens[None], torch.arange(40)[None], target.new_cache(1, 48))[1][0]
-    b = th.make_batch([th.Seq(tokens, hidden[:-1], 2)])
-    b.feats = hidden[None, :-1].detach()
-    before = b.feats.clone()
-    read = []
-    fuse = head.fuse_features
-    head.fuse_features = lambda x: read.append(x) or fuse(x)
-    plain = th.eagle_unroll(head, target.embed, b, 2)
-    assert torch.equal(read[-1], b.feats)
-    draws = lambda seed: torch.Generator().manual_seed(seed)
-    noisy = th.eagle_unroll(head, target.embed, b, 2, 0.25, draws(0))
-    delta = read[-1] - b.feats
-    assert torch.equal(b.feats, before), "the noise must not be added to the batch in place"
-    assert delta.abs().max() <= 0.25 + 1e-12 and delta.abs().max() > 0.2, delta.abs().max()
-    assert abs(float(delta.mean())) < 0.02, "uniform noise around 0"
-    assert not torch.allclose(noisy[0], plain[0])
-    again = th.eagle_unroll(head, target.embed, b, 2, 0.25, draws(0))
-    assert all(torch.equal(x, y) for x, y in zip(noisy, again))
-    other = th.eagle_unroll(head, target.embed, b, 2, 0.25, draws(1))
-    assert not torch.equal(other[0], noisy[0])
-    off = th.eagle_unroll(head, target.embed, b, 2, 0.0, draws(0))
-    assert all(torch.equal(x, y) for x, y in zip(off, plain))
-
-
 def test_show_tree_renders_a_known_tree():
     from tree import make_tree, render_tree
     tree = make_tree([10, 11, 12, 13, 14], [-1, 0, 0, 1, 1],
@@ -678,27 +595,6 @@ def test_draft_over_a_reduced_vocabulary_drafts_its_best_token_and_stays_lossles
     (tmp_path / "d" / "draft_vocab.json").write_text("[1, 2,")             # cut off mid-write
     with pytest.raises(LoadError, match="draft_vocab.json: not JSON"):
         load_draft_vocab(str(tmp_path / "d"), V)
-
-
-def test_derived_prompts_quote_one_wordy_answer_each_and_follow_the_seed():
-    import train_heads as th
-    prose = [(f"question {i}?", f"Answer {i} in words. " + "Some text here. " * 20) for i in range(30)]
-    code = [("write it", "def f(x):\n    return x * 2\n" + "# a comment line\n" * 15)]
-    others = [("short", "too short"), ("sums", "1 + 2 = 3. " * 40), ("prompt only", None)]
-    rows = prose + code + others
-    derived = th.derive_prompts(rows, 100, seed=3)
-    assert len(derived) == 31 and all(a is None for _, a in derived)
-    used = [next(i for i, (_, a) in enumerate(rows) if a and a in p) for p, _ in derived]
-    assert sorted(used) == list(range(31)), "each wordy answer quoted exactly once, no others"
-    code_prompt = next(p for p, _ in derived if code[0][1] in p)
-    assert any(code_prompt == t.format(doc=code[0][1], question="write it") for t in th.CODE_TASKS)
-    assert th.derive_prompts(rows, 100, seed=3) == derived
-    assert th.derive_prompts(rows, 100, seed=4) != derived
-    assert len(th.derive_prompts(rows, 5, seed=3)) == 5
-    with pytest.raises(ValueError, match="--derive needs"):
-        th.derive_prompts(others, 10, seed=0)
-    with pytest.raises(ValueError, match="--derive -5: give the number"):
-        th.derive_prompts(rows, -5, seed=0)
 
 
 def test_sources_filter_lines_and_templates_rewrite_prompts(tmp_path):
@@ -865,7 +761,11 @@ def test_tree_size_auto_runs_end_to_end_and_stays_lossless(default_target, monke
     # a synthetic verify-cost curve: flat up to 8 tokens, then steep; no cache file written
     monkeypatch.setattr(spec, "verify_costs", lambda args, model: {1: 20.0, 9: 21.0, 17: 60.0,
                                                                    49: 200.0})
-    args = spec.parse_args(["--method", "eagle2", "--dtype", "float32", "--tree-size", "auto"])
+    quiet = spec.parse_args(["--method", "eagle2", "--dtype", "float32", "--tree-size", "auto"])
+    spec.build_proposer(quiet, target, tokenizer, 1024)
+    assert capsys.readouterr().err == "", "the prices are shown with --show-tree only"
+    args = spec.parse_args(["--method", "eagle2", "--dtype", "float32", "--tree-size", "auto",
+                            "--show-tree"])
     proposer, info = spec.build_proposer(args, target, tokenizer, 1024)
     err = capsys.readouterr().err
     assert 1 <= info["tree_size"] <= 16 and "<- chosen" in err
@@ -886,36 +786,35 @@ def random_batch(seed: int) -> tuple:
     return seqs, b
 
 
-@pytest.mark.parametrize("soft", [False, True])
-def test_medusa_loss_equals_a_per_position_loop(soft):
+def test_medusa_loss_equals_a_per_position_loop():
     import train_heads as th
     from heads import projection_rows
     target = tiny_model(4)
     heads = random_medusa(target, heads=2)
     seqs, b = random_batch(5)
     proj = projection_rows(target, heads.vocab_ids)
-    got = th.medusa_loss(heads, proj, b, soft)[1]
+    got = th.medusa_loss(heads, proj, b)[1]
     for m in range(2):                   # head m at entry i: token i + 2 + m, from feature i + 1 + m
         terms = []
         for s in seqs:
             for i in range(max(s.prompt_len - 2 - m, 0), len(s.hidden) - 1 - m):
                 log_q = (heads(s.hidden[i])[m] @ proj.T).log_softmax(-1)
-                p = (s.hidden[i + 1 + m] @ proj.T).softmax(-1)
-                terms.append(-(p * log_q).sum() if soft else -log_q[p.argmax()])
-        assert got[m] == pytest.approx(float(sum(terms) / len(terms)), rel=1e-6), (m, soft)
+                label = (s.hidden[i + 1 + m] @ proj.T).argmax()
+                terms.append(-log_q[label])
+        assert got[m] == pytest.approx(float(sum(terms) / len(terms)), rel=1e-6), m
 
 
-def test_eagle_soft_loss_at_the_first_step_equals_a_per_position_loop():
+def test_eagle_loss_at_the_first_step_equals_a_per_position_loop():
     import train_heads as th
     from heads import projection_rows
     target = tiny_model(4)
     head = random_eagle(target)
     _, b = random_batch(6)
     proj = projection_rows(target, head.vocab_ids)
-    got = th.eagle_loss(head, target.embed, proj, b, 2, 0.0, soft=True)[1][0]
+    got = th.eagle_loss(head, target.embed, proj, b, 2, 0.0)[1][0]
     out = th.eagle_unroll(head, target.embed, b, 1)[0]                  # (B, L, C)
     rows = b.loss_mask.nonzero().tolist()
-    want = sum(-((b.target[r, i] @ proj.T).softmax(-1) * (out[r, i] @ proj.T).log_softmax(-1)).sum()
+    want = sum(-(out[r, i] @ proj.T).log_softmax(-1)[(b.target[r, i] @ proj.T).argmax()]
                for r, i in rows) / len(rows)
     assert got == pytest.approx(float(want), rel=1e-6)
 
@@ -959,9 +858,9 @@ def test_eagle2_plus_lookup_drafts_one_round_after_a_full_match():
     target = tiny_model(2)
     head = random_eagle(target, 2)
 
-    def draft(prompt, root, rounds=1):   # -> (matched n, deepest node off the lookup chain)
+    def draft(prompt, root):   # -> (matched n, deepest node off the lookup chain)
         proposer = LookupEagleProposer(EagleProposer(target, head, DraftConfig(3, 3), 256),
-                                       PromptLookupProposer(6, 3, by_match=True), rounds)
+                                       PromptLookupProposer(6, 3, by_match=True))
         cache = target.new_cache(1, 64)
         _, hidden = target(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache)
         proposer.start(prompt, hidden[0])
@@ -976,7 +875,6 @@ def test_eagle2_plus_lookup_drafts_one_round_after_a_full_match():
 
     assert draft([4, 8, 15, 16, 23, 42, 4, 8], root=15) == (3, 1), "(4, 8, 15): full match"
     assert draft([4, 8, 15, 16, 23, 42, 9, 8], root=15) == (2, 3), "(8, 15): 2 of 3"
-    assert draft([4, 8, 15, 16, 23, 42, 4, 8], 15, rounds=5) == (3, 3), "more rounds than 3: 3"
 
 
 def test_size_rule_takes_the_best_priced_size_and_stops_unpaid_rounds():

@@ -2,8 +2,6 @@
 
     python train_heads.py --method eagle --data prompts.jsonl --out weights/smollm2-135m-eagle
     python train_heads.py --method draft --data prompts.jsonl --out my-draft   # a HF Llama folder
-    python train_heads.py --method eagle --data chat_pairs.jsonl --derive 5000 --out more \
-        --stage features          # copy-and-transform prompts, answered by the target
 
 Two stages, both resumable:
   1. features: the target reads (or, for prompt-only lines, first writes) each conversation; its
@@ -37,7 +35,7 @@ def read_conversations(path: str, sources=()) -> list:
     """JSONL -> [(user text, assistant text or None)]: `messages` pairs, or `prompt` alone (the
     target then writes the answer itself). sources: keep only lines whose `source` is one of
     them. A bad line names its number."""
-    from spec import jsonl_rows
+    from bench import jsonl_rows
     rows = []
     for number, row in jsonl_rows(path):
         if sources and row.get("source") not in sources:
@@ -67,57 +65,6 @@ def templated_prompts(rows: list, templates: list, seed: int) -> list:
             raise ValueError(f"--template {t!r}: it must contain {{prompt}}")
     rnd = random.Random(seed)
     return [(rnd.choice(templates).replace("{prompt}", q), None) for q, _ in rows]
-
-
-# Copy-and-transform tasks over an answer text: what summarization, extraction and retrieval
-# prompts ask. A head trained only on answers to short questions never learns to draw on the
-# prompt's own text, which such answers copy from (measured: lowest tau on exactly those).
-TEXT_TASKS = [
-    "Summarize the following text in a few sentences.\n\n{doc}",
-    "Summarize:\n{doc}",
-    "Extract the key points from the text below as a bulleted list.\n\n{doc}",
-    "Rewrite the following passage in simpler language.\n\n{doc}",
-    "What is the main idea of this text? Explain briefly.\n\n{doc}",
-    "{doc}\n\nGive the text above a short title and explain your choice.",
-    "Proofread the text below and return an improved version.\n\n{doc}",
-    "Write three questions that the following text answers, each with its answer.\n\n{doc}",
-    "Turn the following into a formal email.\n\n{doc}",
-    "Read the passage and answer the question.\n\nPassage: {doc}\n\nQuestion: {question}",
-    "{doc}\n\nUsing only the information above, answer: {question}",
-    "List every name, number and date mentioned in the text below.\n\n{doc}",
-    "Rewrite the text below from the point of view of a critic.\n\n{doc}",
-    "Continue the following text.\n\n{doc}",
-    "Identify the tone of the following text and quote the phrases that show it.\n\n{doc}",
-]
-CODE_TASKS = [
-    "Explain the following code step by step.\n\n{doc}",
-    "Find possible bugs in this code and suggest fixes.\n\n{doc}",
-    "Add comments to the following code.\n\n{doc}",
-    "Rewrite this code to be more readable.\n\n{doc}",
-    "{question}\n\nHere is a first attempt; review it and improve it:\n{doc}",
-]
-CODE_MARKS = ("def ", "{\n", "};", "#include", "function ", "import ", "SELECT ", "#!/")
-
-
-def derive_prompts(rows: list, n: int, seed: int) -> list:
-    """[(question, answer)] -> n prompt-only rows [(task over one answer, None)], over answers
-    of 250 to 1,300 characters that are mostly words (under 5% digits: worked arithmetic makes a
-    poor text to summarize), each used at most once, the task drawn at random."""
-    import random
-    if n < 1:
-        raise ValueError(f"--derive {n}: give the number of prompts to make, 1 or more")
-    rnd = random.Random(seed)
-    docs = [(q, a) for q, a in rows if a is not None and 250 <= len(a) <= 1300
-            and sum(c.isdigit() for c in a) < 0.05 * len(a)]
-    if not docs:
-        raise ValueError("--derive needs --data lines with answers of 250 to 1,300 characters, "
-                         "mostly words")
-    rnd.shuffle(docs)
-    out = []
-    for q, a in docs[:n]:
-        tasks = CODE_TASKS if any(m in a for m in CODE_MARKS) else TEXT_TASKS
-        out.append((rnd.choice(tasks).format(doc=a, question=q), None))
-    return out
 
 
 # ---------------------------------------------------------------- the target writes and reads
@@ -353,17 +300,15 @@ def batches(seqs: list, tokens_per_batch: int, generator) -> list:
 
 # ---------------------------------------------------------------- losses
 
-def teacher(target_feats, proj, soft: bool = False) -> torch.Tensor:
-    """(n, C) target features -> what the head learns there, for F.cross_entropy: the index of
-    the target's greedy token in the draft vocab (n,), or with soft its distribution over the
-    draft vocab (n, R), renormalized there (the issue's soft cross-entropy).
+def teacher(target_feats, proj) -> torch.Tensor:
+    """(n, C) target features -> (n,) what the head learns there, for F.cross_entropy: the index
+    of the target's greedy token in the draft vocab.
 
-    Hard labels are the default: at temperature 0 a node is accepted when it is the target's
-    argmax, so a head trained on argmax labels estimates its own acceptance probability (what
-    EAGLE-2's tree and size rule read). Measured on the default model, the same data and steps:
-    soft targets took 1.1x the time a step and MT-bench tau 2.25 against 2.31 (README)."""
-    logits = target_feats @ proj.T                                     # (n, R)
-    return logits.float().softmax(-1) if soft else logits.argmax(-1)
+    The argmax, not the target's distribution: at temperature 0 a node is accepted when it is
+    the target's argmax, so a head trained on argmax labels estimates its own acceptance
+    probability (what EAGLE-2's tree and size rule read); the distribution measured no better
+    (docs/TRAINING.md)."""
+    return (target_feats @ proj.T).argmax(-1)                          # (n, R) -> (n,)
 
 
 def ttt_mask(L: int, j: int, device="cpu") -> torch.Tensor:
@@ -378,22 +323,15 @@ def ttt_mask(L: int, j: int, device="cpu") -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def eagle_unroll(head, embed, b: Batch, steps: int, noise: float = 0.0, generator=None) -> list:
-    """The head's outputs (B, L, C) at each of `steps` unrolled drafting steps.
-
-    noise: add U(-noise, noise) to the target's features the first step reads (EAGLE-1's
-    augmentation: a head that drafts from slightly wrong features), drawn from `generator`."""
+def eagle_unroll(head, embed, b: Batch, steps: int) -> list:
+    """The head's outputs (B, L, C) at each of `steps` unrolled drafting steps."""
     B, L = b.feats.shape[:2]
     embeds = embed(b.next_tok)                                         # (B, L, C)
     pos = torch.arange(L, device=b.feats.device)[None].expand(B, L)
-    feats = b.feats
-    if noise:
-        u = torch.rand(feats.shape, generator=generator, device=feats.device)  # (B, L, W)
-        feats = feats + (2 * u - 1).to(feats.dtype) * noise
-    cache, feats, outs = head.new_cache(0, B), head.fuse_features(feats), []
+    cache, feats, outs = head.new_cache(0, B), head.fuse_features(b.feats), []
     for j in range(steps):
-        # fresh tensors, one per layer (lists stand in for the cache's stacked layers): autograd
-        # keeps each layer's keys for the backward pass, and a later layer writing into the same
+        # fresh tensors every step (a list stands in for the cache's stacked layer): autograd
+        # keeps each step's keys for the backward pass, and a later step writing into the same
         # tensor would invalidate them
         cache = KVCache([widen(k, L) for k in cache.k], [widen(v, L) for v in cache.v], j * L)
         outs.append(head(feats, embeds, pos, cache, ttt_mask(L, j, pos.device)))  # (B, L, C)
@@ -406,13 +344,12 @@ def widen(x: torch.Tensor, L: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(*x.shape[:2], L, x.shape[3])], dim=2)
 
 
-def eagle_loss(head, embed, proj, b: Batch, steps: int, feature_weight: float,
-               soft: bool = False, noise: float = 0.0, generator=None) -> tuple:
+def eagle_loss(head, embed, proj, b: Batch, steps: int, feature_weight: float) -> tuple:
     """Cross-entropy (+ smooth L1 on the feature) at every unrolled step; -> (loss, [ce])."""
-    teach = teacher(b.target[b.loss_mask], proj, soft)                 # loss rows, row-major
+    teach = teacher(b.target[b.loss_mask], proj)                       # loss rows, row-major
     col = b.loss_mask.nonzero()[:, 1]                                  # their positions
     total, ces = 0.0, []
-    for j, out in enumerate(eagle_unroll(head, embed, b, steps, noise, generator)):
+    for j, out in enumerate(eagle_unroll(head, embed, b, steps)):
         mask = b.loss_mask.clone()
         mask[:, :j] = False                                            # no root before the start
         out = out[mask]                                                # (n, C): loss rows only
@@ -422,14 +359,14 @@ def eagle_loss(head, embed, proj, b: Batch, steps: int, feature_weight: float,
     return total / steps, ces
 
 
-def medusa_loss(heads, proj, b: Batch, soft: bool = False) -> tuple:
+def medusa_loss(heads, proj, b: Batch) -> tuple:
     """Head m on the feature at i predicts token i + 2 + m, the target's greedy token there."""
     logits = heads.logits(b.feats, lambda f: f @ proj.T)               # (B, L, M, R)
     total, ces = 0.0, []
     for m in range(logits.shape[2]):
         L = b.feats.shape[1] - m
         mask = b.loss_mask[:, m:]                                      # token i + 2 + m is known
-        teach = teacher(b.target[:, m:][mask], proj, soft)             # from the feature at i + 1 + m
+        teach = teacher(b.target[:, m:][mask], proj)                   # from the feature at i + 1 + m
         ce = torch.nn.functional.cross_entropy(logits[:, :L, m][mask].float(), teach)
         total, ces = total + ce, ces + [float(ce.detach())]
     return total / logits.shape[2], ces
@@ -490,8 +427,6 @@ class TrainConfig:
     tokens_per_batch: int = 4096   # padded tokens per optimizer step
     steps: int = 4                 # EAGLE: unrolled drafting steps (training-time test)
     feature_weight: float = 0.1    # EAGLE: weight of the smooth-L1 feature loss
-    soft_labels: bool = False      # EAGLE, Medusa: the target's distribution, not its argmax
-    feature_noise: float = 0.0     # EAGLE: U(-a, a) added to the target features it reads
     bf16: bool = True              # autocast matmuls to bfloat16 (about 2x faster on these CPUs)
     seed: int = 0
 
@@ -555,7 +490,7 @@ def save_checkpoint(path, head, opt, state) -> None:
 @torch.inference_mode()
 def measure_tau(target, proposer, seqs: list, max_new: int, stop_ids) -> float:
     """Tokens per target forward of the real decoding loop on held-out prompts."""
-    from spec import GenConfig, generate_spec
+    from decode import GenConfig, generate_spec
     new = forwards = 0
     for s in tqdm(seqs, desc="tau", unit="prompt"):
         r = generate_spec(target, proposer, s.tokens[:s.prompt_len].tolist(), GenConfig(max_new),
@@ -633,11 +568,6 @@ def parse_args(argv=None):
     p.add_argument("--stage", choices=["features", "train", "all"], default="all",
                    help="stop after feature extraction, or only train from existing features")
     p.add_argument("--limit", type=int, default=0, help="use the first N data lines (0: all)")
-    p.add_argument("--derive", type=int, default=0, metavar="N",
-                   help="instead of --data's lines, up to N prompts that ask to summarize, extract "
-                        "from, answer from, rewrite or explain one of its answers (copy-and-"
-                        "transform tasks, answered by the target itself); features go to a folder "
-                        "of their own (0: off)")
     p.add_argument("--sources", type=lambda s: tuple(s.split(",")), default=(), metavar="A,B",
                    help="use only --data lines whose 'source' field is one of these")
     p.add_argument("--template", action="append", default=[], metavar="TEXT",
@@ -652,10 +582,6 @@ def parse_args(argv=None):
                    help="R: the heads (and the draft model's greedy drafts) predict over the R most "
                         "frequent answer tokens")
     p.add_argument("--heads", type=int, default=4, help="Medusa: number of heads")
-    p.add_argument("--own-projection", action="store_true",
-                   help="Medusa: every head trains its own projection (Medusa-1) instead of "
-                        "sharing the target's frozen one; heads x draft vocab x hidden more "
-                        "parameters")
     p.add_argument("--layers", type=int, default=4,
                    help="draft: decoder layers, started from evenly spaced target layers")
     p.add_argument("--without-embeddings", action="store_true",
@@ -665,17 +591,13 @@ def parse_args(argv=None):
     p.add_argument("--init", metavar="FOLDER",
                    help="EAGLE, Medusa: start from the head in FOLDER (written by this script) "
                         "instead of a fresh one, e.g. to train a shipped head on more data; its "
-                        "shape and draft vocabulary are kept (--draft-vocab, --heads and "
-                        "--own-projection then do not apply)")
+                        "shape and draft vocabulary are kept (--draft-vocab and --heads then "
+                        "do not apply)")
     p.add_argument("--wise", type=float, default=1.0, metavar="ALPHA",
                    help="EAGLE, Medusa with --init: keep ALPHA of the way from the --init head "
                         "to the newly trained one, weight by weight (WiSE-FT; 1: the trained "
                         "head as is). Applied after training, before the measurements; a rerun "
                         "of a finished run applies it to the checkpoint's head")
-    p.add_argument("--head-layers", type=int, default=0, metavar="N",
-                   help="EAGLE: decoder layers in the head (default 1, or the --init head's "
-                        "own). With --init, a head with fewer layers grows to N, its new layers "
-                        "started as the identity")
     p.add_argument("--taps", type=layer_list, default=(), metavar="I,J",
                    help="EAGLE: also feed the head the outputs of these target layers (0-based), "
                         "fused with the final feature (EAGLE-3); e.g. 1,14. The features stage "
@@ -694,14 +616,6 @@ def parse_args(argv=None):
                    help="EAGLE: drafting steps unrolled in training (EAGLE-3's training-time test)")
     p.add_argument("--feature-weight", type=float, default=d.feature_weight,
                    help="EAGLE: weight of the feature regression loss")
-    p.add_argument("--feature-noise", type=float, default=d.feature_noise, metavar="A",
-                   help="EAGLE: add uniform noise in [-A, A] to the target features the head "
-                        "reads in training (EAGLE-1's augmentation; the default model's "
-                        "features have a per-dimension spread of about 1.1; 0: off)")
-    p.add_argument("--soft-labels", action="store_true",
-                   help="EAGLE, Medusa: learn the target's whole distribution (soft cross-entropy) "
-                        "instead of its greedy token (EAGLE, measured: 1.1x the time a step, no gain at "
-                        "temperature 0)")
     p.add_argument("--seed", type=int, default=d.seed, help="shuffling and initialization seed")
     p.add_argument("--device", help="cpu, cuda, ... for the target, the head and the batches "
                                     "(default: the best available); the shards stay on disk")
@@ -720,8 +634,7 @@ def check_ranges(p, args) -> None:
     (or silently: --epochs 0 used to run a step)."""
     positive = ("epochs", "lr", "batch", "max_new_tokens", "max_prompt_tokens", "draft_vocab",
                 "heads", "layers", "tokens_per_batch", "steps")
-    at_least_0 = ("minutes", "limit", "derive", "head_layers", "held_out", "tau_prompts",
-                  "feature_weight", "feature_noise")
+    at_least_0 = ("minutes", "limit", "held_out", "tau_prompts", "feature_weight")
     for name in positive + at_least_0:
         value = getattr(args, name)
         if value < 0 or (value == 0 and name in positive):
@@ -733,7 +646,7 @@ def default_features_dir(args) -> str:
     from default_model import default_model_path
     root = os.path.dirname(args.model.rstrip("/")) if args.model else \
         os.path.dirname(default_model_path(args.cache_dir))
-    name = os.path.splitext(os.path.basename(args.data))[0] + ("-derived" if args.derive else "")
+    name = os.path.splitext(os.path.basename(args.data))[0]
     if args.sources or args.template:       # a different set of conversations: its own folder
         import hashlib
         what = json.dumps([sorted(args.sources), args.template, args.seed]).encode()
@@ -748,9 +661,6 @@ def main(argv=None):
     args = parse_args(argv)
     if args.init and args.method == "draft":
         raise ValueError("--init continues an EAGLE or Medusa head; it does not apply to --method draft")
-    if args.head_layers < 0 or (args.head_layers and args.method != "eagle"):
-        raise ValueError("--head-layers N (N >= 1) shapes an EAGLE head; it does not apply to "
-                         "--method " + args.method)
     if args.taps and args.method != "eagle":
         raise ValueError("--taps feeds an EAGLE head; it does not apply to --method " + args.method)
     if not 0 <= args.wise <= 1 or (args.wise < 1 and not args.init):
@@ -771,7 +681,6 @@ def main(argv=None):
         if "," in features:
             raise ValueError(f"--features {features}: the features stage writes one folder")
         rows = read_conversations(args.data, args.sources)
-        rows = derive_prompts(rows, args.derive, args.seed) if args.derive else rows
         rows = templated_prompts(rows, args.template, args.seed) if args.template else rows
         rows = rows[:args.limit] if args.limit else rows
         target = load_model(model_path, torch.bfloat16, args.device)
@@ -796,8 +705,7 @@ def train_and_save(args, model_path: str, features: str, tokenizer) -> None:
     os.makedirs(args.out, exist_ok=True)
     tc = TrainConfig(epochs=args.epochs, minutes=args.minutes, lr=args.lr,
                      tokens_per_batch=args.tokens_per_batch, steps=args.steps,
-                     feature_weight=args.feature_weight, soft_labels=args.soft_labels,
-                     feature_noise=args.feature_noise, seed=args.seed)
+                     feature_weight=args.feature_weight, seed=args.seed)
     run = train_draft if args.method == "draft" else train_head
     info = {"method": args.method, "data": os.path.abspath(args.data), "features": features,
             "train_sequences": len(train_seqs), "held_out_sequences": len(held),
@@ -823,14 +731,12 @@ def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) 
         info = info | {"init": {"folder": os.path.abspath(args.init),
                                 "training": read_json(os.path.join(args.init, "training.json"))}}
     if args.method == "eagle":
-        # --feature-noise's draws (a resumed run starts them from the seed again)
-        draws = torch.Generator(device).manual_seed(tc.seed)
         def loss_fn(seqs):
             return eagle_loss(head, target.embed, proj, make_batch(seqs).to(device), tc.steps,
-                              tc.feature_weight, tc.soft_labels, tc.feature_noise, draws)
+                              tc.feature_weight)
     else:
         def loss_fn(seqs):
-            return medusa_loss(head, proj, make_batch(seqs).to(device), tc.soft_labels)
+            return medusa_loss(head, proj, make_batch(seqs).to(device))
     record = train(head, loss_fn, train_seqs, tc, args.out)
     if args.init and args.wise < 1:
         interpolate(head, init_head(args, target)[0], args.wise)
@@ -848,7 +754,7 @@ def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) 
 def new_head(args, target, train_seqs: list, stop_ids) -> tuple:
     """-> (head, HeadConfig): residual blocks that start as the identity (Medusa) or a fresh
     EAGLE layer, over the draft vocabulary of these sequences (or of the run being resumed)."""
-    from heads import HeadConfig, build_head, eagle_layer_config, projection_rows
+    from heads import HeadConfig, build_head, eagle_layer_config
     ckpt = os.path.join(args.out, "checkpoint.pt")
     if os.path.exists(ckpt):                 # resuming: the vocabulary the run started with
         vocab = torch.load(ckpt, weights_only=False, map_location="cpu")["head"]["vocab_ids"]
@@ -856,13 +762,9 @@ def new_head(args, target, train_seqs: list, stop_ids) -> tuple:
         vocab = draft_vocabulary(train_seqs, args.draft_vocab, stop_ids)
     c = target.config
     config = HeadConfig(args.method, c.hidden_size, c.vocab_size, len(vocab), args.heads,
-                        eagle_layer_config(c, args.head_layers or 1) if args.method == "eagle" else {},
-                        own_projection=args.own_projection, taps=list(args.taps))
-    head = build_head(config, vocab).to(target.embed.weight.device)
-    if config.own_projection:
-        with torch.no_grad():
-            head.proj.copy_(projection_rows(target, vocab).expand_as(head.proj))  # start as the target's
-    return head, config
+                        eagle_layer_config(c) if args.method == "eagle" else {},
+                        taps=list(args.taps))
+    return build_head(config, vocab).to(target.embed.weight.device), config
 
 
 def interpolate(head, start, alpha: float) -> None:
@@ -878,13 +780,11 @@ def interpolate(head, start, alpha: float) -> None:
 
 def init_head(args, target) -> tuple:
     """-> (head, HeadConfig) of the trained head in --init, to train further: its shape and
-    draft vocabulary are kept (--draft-vocab, --heads and --own-projection do not apply), but
-    for what it gains: more layers (--head-layers) and taps (--taps)."""
-    from heads import build_head, grow_layers, load_head
+    draft vocabulary are kept (--draft-vocab and --heads do not apply), but for the taps it
+    gains (--taps)."""
+    from heads import build_head, load_head
     head, config = load_head(args.init, target, args.method)
     config.accuracy = []                                                   # measured again
-    if args.head_layers and args.head_layers != config.layer.get("num_layers"):
-        head = grow_layers(head, config, args.head_layers)     # new layers start as the identity
     if args.taps and tuple(config.taps) != args.taps:
         if config.taps:
             raise ValueError(f"{args.init}: its head reads layers {config.taps}, not --taps "
