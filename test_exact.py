@@ -12,7 +12,7 @@ import torch
 from kernels import sample_at, uniform
 from model import Llama, LlamaConfig, RMSNorm, Rope, apply_rope, attend, round_up, tail_slots
 from quantize import Float32Linear, Int4Linear, Int8Linear, QuantizeError, as_float32, quantize
-from spec import GenConfig, generate_ar, generate_spec
+from decode import GenConfig, generate_ar, generate_spec
 from test_spec import chi_square_p, default_path  # noqa: F401 (default_path is a fixture)
 
 transformers = pytest.importorskip("transformers")
@@ -245,7 +245,7 @@ def runs():
 
 
 def run_all(get, method, flags, prompt, max_new, result=False):
-    """The method's tokens for the prompt (result: its spec.Result)."""
+    """The method's tokens for the prompt (result: its decode.Result)."""
     args, target, tokenizer, proposer = get(method, *flags)
     ids = tokenizer.chat_prompt(prompt)
     gen = GenConfig(max_new, args.temperature, args.top_p, args.seed)

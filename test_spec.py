@@ -13,7 +13,7 @@ import kernels
 from kernels import accept_chain_sampled, accept_tree, sample
 from model import KVCache, Llama, LlamaConfig, LoadError, load_model
 from proposers import DraftConfig, DraftModelProposer
-from spec import GenConfig, generate_ar, generate_spec
+from decode import GenConfig, generate_ar, generate_spec
 from tree import (Tree, ancestor_mask, chain, grow_tree, make_tree, positions, retrieve_indices,
                   static_tree)
 
@@ -134,22 +134,6 @@ def test_forward_costs_time_the_sizes_in_turns():
     costs = spec.forward_costs(model, (1, 2, 3), prefix=16, repeats=2)
     assert fed == [16, 1, 2, 3, 1, 2, 3] and sorted(costs) == [1, 2, 3]
     assert all(ms > 0 for ms in costs.values())
-
-
-def test_measure_again_forgets_only_this_setups_timings(tmp_path, monkeypatch, capsys):
-    import spec
-    flags = ["--model", "random:tiny", "--cache-dir", str(tmp_path), "--verify-curve"]
-    args, other = spec.parse_args(flags), spec.parse_args(flags + ["--dtype", "float32"])
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
-    assert spec.measured_once(args, "t", lambda: 1) == 1
-    assert spec.measured_once(other, "t", lambda: 2) == 2
-    assert spec.measured_once(args, "t", lambda: 3) == 1, "cached"
-    assert "busy" not in capsys.readouterr().err
-    spec.forget_costs(args)
-    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0))     # others use the cores
-    assert spec.measured_once(args, "t", lambda: 4) == 4, "measured again"
-    assert spec.measured_once(other, "t", lambda: 5) == 2, "another dtype's timings are kept"
-    assert "looks busy (load 9.0" in capsys.readouterr().err
 
 
 def test_keeping_a_subset_of_slots_equals_appending_only_those():
@@ -845,8 +829,8 @@ def test_cache_room_counts_the_lookup_branch():
     # eagle2+ngram verifies EAGLE-2's tree plus the lookup chain: the cache must hold both.
     from spec import AUTO_MAX, LOOKUP_DEPTH, parse_args, tree_budget
     assert tree_budget(parse_args(["--method", "eagle2+ngram"])) == AUTO_MAX + LOOKUP_DEPTH
-    assert tree_budget(parse_args(["--method", "eagle2+ngram", "--lookup-depth", "3",
-                                   "--tree-size", "7"])) == 10
+    assert tree_budget(parse_args(["--method", "eagle2+ngram", "--tree-size", "7"])) == \
+        7 + LOOKUP_DEPTH
     assert tree_budget(parse_args(["--method", "eagle2", "--tree-size", "7"])) == 7
 
 

@@ -1,0 +1,159 @@
+"""The decoding loops: plain decoding, and speculative decoding's propose / verify / accept /
+commit. They need a target (model.Llama) and, for speculative decoding, a proposer
+(proposers.py); nothing here knows the command line.
+
+Dimensions: T tokens, N tree nodes, V vocab.
+"""
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels import accept_chain_sampled, accept_tree, next_tokens, target_probs, uniform
+from tree import ancestor_mask, pad_inputs, positions, retrieve_indices
+
+
+@dataclass
+class GenConfig:
+    max_new_tokens: int = 128
+    temperature: float = 0.0     # 0 means greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class Result:
+    token_ids: list = field(default_factory=list)   # new tokens only
+    target_forwards: int = 0                        # prefill included
+    seconds: float = 0.0                            # prefill to last token
+    accepted: list = field(default_factory=list)    # per step: drafted tokens accepted
+    drafted: list = field(default_factory=list)     # per step: drafted tokens (tree nodes)
+    draft_seconds: list = field(default_factory=list)   # per step: wall time in propose()
+
+    @property
+    def tau(self) -> float:
+        """New tokens per target forward (the bonus token counts: plain decoding has 1.00)."""
+        return len(self.token_ids) / max(self.target_forwards, 1)
+
+
+def take(result: Result, new: list, stop_ids, limit: int) -> tuple:
+    """Append new tokens up to a stop token or the limit -> (how many were taken, whether
+    generation is over). What is streamed is what was taken: never past the cut."""
+    for i, t in enumerate(new):
+        result.token_ids.append(t)
+        if t in stop_ids or len(result.token_ids) >= limit:
+            return i + 1, True
+    return len(new), False
+
+
+def draws(gen: GenConfig, positions) -> torch.Tensor | None:
+    """The uniforms that decide the target's tokens at these absolute positions (None: greedy)."""
+    if gen.temperature == 0:
+        return None
+    return torch.tensor([uniform(gen.seed, int(t)) for t in positions], dtype=torch.float64)
+
+
+def check_room(model, prompt_ids: list, gen: GenConfig, extra: int = 0) -> int:
+    """Cache slots needed; a clear error when the prompt cannot fit the context."""
+    n, ctx = len(prompt_ids), model.config.max_positions
+    if n == 0:
+        raise ValueError("the prompt is empty")
+    if n + 1 > ctx:
+        raise ValueError(f"prompt of {n} tokens is longer than the model's context of {ctx}")
+    return min(n + gen.max_new_tokens + extra + 1, ctx + extra + 1)
+
+
+@torch.inference_mode()
+def generate_ar(model, prompt_ids: list, gen: GenConfig, stop_ids=(), on_tokens=None) -> Result:
+    """Plain decoding: one target forward per token."""
+    device = model.embed.weight.device
+    cache = model.new_cache(1, check_room(model, prompt_ids, gen))
+    result, t0 = Result(), time.perf_counter()
+    ids = torch.tensor([prompt_ids], device=device)
+    pos = torch.arange(len(prompt_ids), device=device)[None]
+    while True:
+        logits, _ = model(ids, pos, cache, last_only=True)
+        result.target_forwards += 1
+        u = draws(gen, [cache.length])                      # the token's own position
+        token = int(next_tokens(logits[0, -1], gen.temperature, gen.top_p, u))
+        _, done = take(result, [token], stop_ids, gen.max_new_tokens)
+        if on_tokens:
+            on_tokens([token], [False])
+        if done or cache.length >= model.config.max_positions:
+            break
+        ids = torch.tensor([[token]], device=device)
+        pos = torch.tensor([[cache.length]], device=device)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def verify(logits, tree, mask, pos, q, gen: GenConfig, generator) -> tuple:
+    """Accepted node indices (root first) and the target's next token, from the tree pass.
+    pos (N,): the nodes' positions; node n's choice is the target's token at pos[n] + 1."""
+    if q is not None:                       # a chain sampled from the draft's q
+        p = target_probs(logits, gen.temperature, gen.top_p)              # (K + 1, V)
+        n, bonus = accept_chain_sampled(tree.tokens[1:].to(p.device), p, q.to(p.device), generator)
+        n = int(n)
+        return torch.arange(n + 1), int(bonus)
+    u = draws(gen, pos + 1)
+    choice = next_tokens(logits, gen.temperature, gen.top_p, u).cpu()        # (N,)
+    path, n, bonus = accept_tree(tree.tokens, retrieve_indices(mask, tree.depths), choice)
+    return path[:int(n) + 1], int(bonus)
+
+
+@torch.inference_mode()
+def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(),
+                  on_tokens=None, on_step=None, pad: bool = False) -> Result:
+    """Speculative decoding: prefill, then loop { propose, verify, accept, commit cache }.
+
+    pad: verify every tree padded to the proposer's most nodes (one shape for torch.compile).
+    The generator serves only drafts that sample (and Leviathan's acceptance of them); the
+    target's own draws are keyed on position (see `draws`)."""
+    device = target.embed.weight.device
+    generator = torch.Generator(device).manual_seed(gen.seed)
+    max_nodes = proposer.max_nodes
+    cache = target.new_cache(1, check_room(target, prompt_ids, gen, max_nodes))
+    result, t0 = Result(), time.perf_counter()
+    taps = proposer.taps                 # target layers an EAGLE-3 head reads beside the last
+    logits, hidden = target(torch.tensor([prompt_ids], device=device),
+                            torch.arange(len(prompt_ids), device=device)[None], cache,
+                            last_only=True, taps=taps)
+    result.target_forwards = 1
+    u = draws(gen, [cache.length])
+    root = int(next_tokens(logits[0, -1], gen.temperature, gen.top_p, u))
+    _, done = take(result, [root], stop_ids, gen.max_new_tokens)
+    if on_tokens:
+        on_tokens([root], [False])
+    proposer.start(prompt_ids, hidden[0])
+    while not done and cache.length + max_nodes < cache.slots:
+        t = time.perf_counter()          # no sync added: a proposer syncs to read its own choices
+        tree, q = proposer.propose(root, gen, generator)
+        result.draft_seconds.append(time.perf_counter() - t)
+        mask = ancestor_mask(tree.parents, tree.depths)                   # (N, N)
+        start = cache.length
+        tokens, pos, seen = tree.tokens, positions(tree.depths, start), mask
+        if pad:
+            tokens, pos, seen = pad_inputs(tokens, pos, mask, max_nodes)
+        logits, hidden = target(tokens[None].to(device), pos[None].to(device), cache, seen,
+                                taps=taps)
+        logits, hidden = logits[:, :tree.size], hidden[:, :tree.size]    # pads dropped
+        result.target_forwards += 1
+        accepted, root = verify(logits[0], tree, mask, pos[:tree.size], q, gen, generator)
+        cache.keep(start, accepted)                  # keep the accepted path's slots, in order
+        proposer.commit(tree, accepted, hidden[0])
+        new = tree.tokens[accepted[1:]].tolist() + [root]
+        result.accepted.append(len(new) - 1)
+        result.drafted.append(tree.size - 1)
+        taken, done = take(result, new, stop_ids, gen.max_new_tokens)
+        if on_tokens:
+            on_tokens(new[:taken], ([True] * (len(new) - 1) + [False])[:taken])
+        if on_step:                                  # --show-tree
+            on_step(tree, accepted.tolist(), root)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def acceptance_by_position(result: Result, depth: int) -> list:
+    """Fraction of steps in which draft position i (0-based along the path) was accepted."""
+    steps = max(len(result.accepted), 1)
+    return [sum(a > i for a in result.accepted) / steps for i in range(depth)]
