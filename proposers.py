@@ -10,7 +10,7 @@ import torch
 
 from heads import projection
 from kernels import target_probs, sample
-from model import Llama, LlamaConfig
+from model import Llama
 from tree import Tree, add_chain, ancestor_mask, best_nodes, chain, grow_tree
 
 
@@ -79,21 +79,6 @@ class DraftConfig:
     def grown_nodes(self) -> int:
         """Upper bound on the nodes grow_tree creates (root, k, then k * k per round), plus one."""
         return 2 + self.depth * self.top_k * self.top_k
-
-
-def truncated_draft(target: Llama, layers: int) -> Llama:
-    """A draft made of the target's first `layers` blocks plus its final norm and head.
-
-    It shares the target's weights (no copy): the only memory it adds is its KV cache."""
-    if not 1 <= layers <= target.config.num_layers:
-        raise ValueError(f"--draft-layers must be in 1..{target.config.num_layers}, got {layers}")
-    config = LlamaConfig(**{**target.config.__dict__, "num_layers": layers})
-    with torch.device("meta"):
-        draft = Llama(config)
-    draft.embed, draft.norm, draft.lm_head = target.embed, target.norm, target.lm_head
-    draft.layers = torch.nn.ModuleList(target.layers[:layers])
-    draft.rope = target.rope
-    return draft.eval()
 
 
 def node_mask(tree: Tree, frontier: torch.Tensor, node_slot: torch.Tensor, root_slot: int,

@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 import torch
 from tqdm import tqdm
 
-from model import KVCache, Llama
+from model import KVCache, Llama, LlamaConfig
 
 SHARD_LINES = 256            # data lines per feature shard: the unit of resumption
 
@@ -170,16 +170,27 @@ def taps_key(taps) -> str:
     return "taps_" + "_".join(map(str, taps))
 
 
+def first_layers(target: Llama, layers: int) -> Llama:
+    """The target's first `layers` blocks plus its final norm and head, sharing its weights:
+    the tapped layers' outputs come from running only these (add_taps checks the range)."""
+    config = LlamaConfig(**{**target.config.__dict__, "num_layers": layers})
+    with torch.device("meta"):
+        part = Llama(config)
+    part.embed, part.norm, part.lm_head = target.embed, target.norm, target.lm_head
+    part.layers = torch.nn.ModuleList(target.layers[:layers])
+    part.rope = target.rope
+    return part.eval()
+
+
 def add_taps(target: Llama, folder: str, taps: tuple, batch: int) -> None:
     """Add the outputs of target layers `taps` to every shard of `folder` that lacks them,
     teacher-forced from the shard's own tokens (its answers stay the ones the target wrote).
     Only the layers up to the last tap run. Shard by shard, atomically: resumable."""
-    from proposers import truncated_draft
     from safetensors.torch import load_file
     if max(taps) >= target.config.num_layers:
         raise ValueError(f"--taps {list(taps)}: the target has layers 0..{target.config.num_layers - 1}")
     names = shard_names(folder)
-    part, key = truncated_draft(target, max(taps) + 1), taps_key(taps)
+    part, key = first_layers(target, max(taps) + 1), taps_key(taps)
     todo = [n for n in names if key not in shard_keys(os.path.join(folder, n))]
     for name in tqdm(todo, desc=f"layers {', '.join(map(str, taps))}", unit="shard"):
         t = load_file(os.path.join(folder, name))
