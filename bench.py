@@ -4,9 +4,9 @@ Every method decodes the same prompts in the same order in one process, interlea
 prompt, after a warm-up, so every speedup is a ratio of times measured side by side. Multi-turn
 prompts (Spec-Bench's `turns`) continue each method's own conversation.
 """
-import argparse
 import json
 import os
+import platform
 import sys
 import time
 from dataclasses import dataclass, field
@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from default_model import WEIGHTS
+from decode import GenConfig, Result
+from default_model import WEIGHTS, cache_dir
+from methods import TargetConfig, draft_folder, forward_costs, load_target, module_bytes
+
 
 COMPILED = "+compile"                # --bench --compile: the compiled twin of each method
 
@@ -38,7 +41,6 @@ def jsonl_rows(path: str):
                     yield number, json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{number}: not JSON ({e})") from None
-
 
 
 @dataclass
@@ -168,11 +170,11 @@ def format_tables(summary: dict, methods: list) -> str:
 
 @torch.inference_mode()
 def run_bench(args, build, loaded: tuple) -> dict:
-    """build(args, method, target, tokenizer) -> (decode(prompt_ids) -> decode.Result, added MB,
+    """build(args, method, loaded, GenConfig) -> (decode(prompt_ids) -> decode.Result, added MB,
     configuration in words); loaded: (model path, target, tokenizer).
 
-    One run per temperature in args.temperatures, each with its own baseline. Returns the JSON
-    report; the tables go to stderr."""
+    One run per temperature in args.temperature (a list), each with its own baseline. Returns
+    the JSON report; the tables go to stderr."""
     path, target, tokenizer = loaded
     methods = args.methods.split(",")
     if methods[0] != "ar":
@@ -186,11 +188,11 @@ def run_bench(args, build, loaded: tuple) -> dict:
     print(f"bench: {len(prompts)} prompts ({turns} turns) from {args.bench}, categories "
           f"{', '.join(dict.fromkeys(p.category for p in prompts))}", file=sys.stderr)
     decoders, extra_mb, configs = {}, {}, {}
-    for T in args.temperatures:
-        targs = argparse.Namespace(**{**vars(args), "temperature": T})
+    for T in args.temperature:
+        gen = GenConfig(args.max_new_tokens, T, args.top_p, args.seed)
         for m in methods:
             make = peer_decoder if m in PEERS else build
-            decoders[T, m], extra_mb[m], configs[m] = make(targs, m, target, tokenizer)
+            decoders[T, m], extra_mb[m], configs[m] = make(args, m, loaded, gen)
             decoders[T, m](tokenizer.chat_prompt("Hello! Say something."))       # warm-up
     records = []
     bar = tqdm(total=len(prompts) * len(decoders), desc="bench", unit="run", file=sys.stderr)
@@ -206,10 +208,9 @@ def run_bench(args, build, loaded: tuple) -> dict:
                 history += [("user", text), ("assistant", tokenizer.decode(answer))]
             bar.update(1)
     bar.close()
-    from proposers import module_bytes
     target_mb = module_bytes(target) / 2**20          # quantized weights are buffers
     runs = []
-    for T in args.temperatures:
+    for T in args.temperature:
         summary = summarize([r for r in records if r.temperature == T], methods, extra_mb,
                             target_mb, configs)
         print(f"\n== temperature {T:g}\n" + format_tables(summary, methods), file=sys.stderr)
@@ -237,7 +238,7 @@ def format_temperatures(runs: list, methods: list) -> str:
 PEERS = ["hf", "hf-ngram", "hf-assisted"]
 
 
-def peer_decoder(args, name: str, target, tokenizer) -> tuple:
+def peer_decoder(args, name: str, loaded: tuple, gen: GenConfig) -> tuple:
     """transformers' generate on the same model folder, dtype and prompts: plain ("hf"), with
     prompt lookup ("hf-ngram", prompt_lookup_num_tokens=10 as in its docs) or assisted by our
     distilled draft ("hf-assisted"). Target forwards are counted with a hook."""
@@ -245,24 +246,20 @@ def peer_decoder(args, name: str, target, tokenizer) -> tuple:
         import transformers
     except ImportError:
         raise ValueError("--peers needs transformers: pip install transformers") from None
-    from default_model import default_model_path
-    from decode import Result
-    path = args.model or default_model_path(args.cache_dir)
+    path, _, tokenizer = loaded
     dtype = getattr(torch, args.dtype)
     hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
     calls = [0]
     hf.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    options = {"max_new_tokens": args.max_new_tokens, "eos_token_id": list(tokenizer.stop_ids),
+    options = {"max_new_tokens": gen.max_new_tokens, "eos_token_id": list(tokenizer.stop_ids),
                "pad_token_id": tokenizer.stop_ids[0]}
-    options |= ({"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
-                if args.temperature > 0 else {"do_sample": False, "temperature": None,
+    options |= ({"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p}
+                if gen.temperature > 0 else {"do_sample": False, "temperature": None,
                                               "top_p": None, "top_k": None})
     extra_mb = 0.0
     if name == "hf-ngram":
         options["prompt_lookup_num_tokens"] = 10
     elif name == "hf-assisted":
-        from default_model import cache_dir
-        from heads import draft_folder
         folder = draft_folder(args.draft or os.path.join(WEIGHTS, "smollm2-135m-draft"), path,
                               cache_dir(args.cache_dir))
         helper = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=dtype)
@@ -270,7 +267,7 @@ def peer_decoder(args, name: str, target, tokenizer) -> tuple:
         extra_mb = sum(p.numel() * p.element_size() for p in helper.parameters()) / 2**20
 
     def decode(prompt_ids):
-        torch.manual_seed(args.seed)
+        torch.manual_seed(gen.seed)
         calls[0] = 0
         t0 = time.perf_counter()
         out = hf.generate(torch.tensor([prompt_ids], device=args.device), **options)
@@ -282,3 +279,43 @@ def peer_decoder(args, name: str, target, tokenizer) -> tuple:
     config = {"hf": "generate, plain", "hf-ngram": "prompt lookup, 10 tokens",
               "hf-assisted": "distilled draft"}[name]
     return decode, extra_mb, config
+
+
+# ---------------------------------------------------------------- --verify-curve
+
+@torch.inference_mode()
+def verify_curve(tc: TargetConfig) -> dict:
+    """Cost of one target forward over k new tokens per row, relative to one token, at batch 1
+    (k up to 512) and batch 8 (8 x k up to 512): where verifying stops being free."""
+    path, model, _ = load_target(tc)
+    curves = {1: forward_costs(model, (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)),
+              8: forward_costs(model, (1, 2, 4, 8, 16, 32, 64), batch=8)}
+    base = curves[1][1]
+    print(f"{machine_name(tc.device)}, {tc.dtype}, {os.path.basename(path)}\n"
+          f"{'batch':>5}{'k':>5}{'tokens':>8}{'ms':>9}{'vs 1 token':>12}{'ms/token':>10}",
+          file=sys.stderr)
+    for batch, ms in curves.items():
+        for k, t in ms.items():
+            print(f"{batch:5d}{k:5d}{batch * k:8d}{t:9.1f}{t / base:11.2f}x{t / (batch * k):10.2f}",
+                  file=sys.stderr)
+    return {"machine": machine_name(tc.device), "dtype": tc.dtype, "device": tc.device,
+            "model": path,
+            "ms": {f"{b}x{k}": t for b, ms in curves.items() for k, t in ms.items()}}
+
+
+def machine_name(device: str) -> str:
+    """The CPU's (or GPU's) name and the thread count; for a CPU also its family and model
+    numbers, since a virtual machine may name very different Xeons alike."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            fields = dict(ln.split(":", 1) for ln in f.read().split("\n\n")[0].splitlines()
+                          if ":" in ln)
+    except OSError:
+        fields = {}
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields:
+        name += f" ({fields['cpu family']}/{fields.get('model', '?')})"
+    return f"{name} x{torch.get_num_threads()}"

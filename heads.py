@@ -1,5 +1,5 @@
-"""Draft heads that read the target's features (Medusa, EAGLE), their files, static trees, and
-the distilled draft model (a small standard HF Llama).
+"""Draft heads that read the target's features (Medusa, EAGLE), their files, static trees from
+measured accuracies, and the expected speed of a tree size (--tree-size auto).
 
 Both predict over a reduced draft vocabulary: the R most frequent tokens of the target's own
 answers (EAGLE-3's trick), `vocab_ids` (R,) mapping them back to target ids. The projection is the
@@ -14,10 +14,12 @@ import os
 from dataclasses import asdict, dataclass, field
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kernels import attention_mask
-from model import Block, KVCache, LlamaConfig, LoadError, Rope, cache_dtype, read_json, round_up
+from model import Block, KVCache, LlamaConfig, LoadError, Rope, cache_dtype, round_up
 
 
 @dataclass
@@ -146,7 +148,6 @@ def eagle_layer_config(target: LlamaConfig) -> dict:
 
 def save_head(head: nn.Module, config: HeadConfig, folder: str, info: dict | None = None) -> None:
     """model.safetensors (16-bit) + config.json (+ training.json); written atomically."""
-    from safetensors.torch import save_file
     os.makedirs(folder, exist_ok=True)
     tensors = {k: (v.bfloat16() if v.is_floating_point() else v).contiguous().cpu()
                for k, v in head.state_dict().items()}
@@ -183,8 +184,6 @@ def read_head_config(folder: str) -> HeadConfig:
 
 def load_head(folder: str, target, kind: str) -> tuple:
     """-> (head in the target's dtype and device, HeadConfig); clear errors for a bad folder."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
     config = read_head_config(folder)
     if config.kind != kind:
         raise LoadError(f"{folder}: holds a {config.kind} head, not {kind}")
@@ -226,7 +225,6 @@ def best_paths(accuracy: list, size: int) -> list:
     return paths
 
 
-
 def expected_length(accuracy: list, size: int) -> float:
     """Expected tokens per step (accepted drafts + the target's own token) of the best static
     tree with `size` drafted nodes: 1 + the sum of its paths' acceptance probabilities."""
@@ -262,122 +260,3 @@ def verify_cost(cost_ms: dict, k: int) -> float:
     if hi == lo:
         return cost_ms[lo]
     return cost_ms[lo] + (cost_ms[hi] - cost_ms[lo]) * (k - lo) / (hi - lo)
-
-
-# ---------------------------------------------------------------- the distilled draft model
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json")
-
-
-def init_draft(target, layers: int):
-    """A `layers`-deep Llama starting from evenly spaced target layers (first and last included).
-
-    Embedding and output head are the target's own, shared and frozen: the draft learns only its
-    blocks and final norm, and its file needs no embedding matrix of its own."""
-    import copy
-    from model import Llama
-    N = target.config.num_layers
-    if not 1 <= layers <= N:
-        raise ValueError(f"draft layers must be in 1..{N}, got {layers}")
-    picks = [round(i * (N - 1) / max(layers - 1, 1)) for i in range(layers)]
-    config = LlamaConfig(**{**asdict(target.config), "num_layers": layers})
-    with torch.device("meta"):
-        draft = Llama(config)
-    draft.layers = nn.ModuleList(copy.deepcopy(target.layers[i]) for i in picks)
-    draft.norm = copy.deepcopy(target.norm)
-    draft.embed, draft.lm_head, draft.rope = target.embed, target.lm_head, target.rope
-    draft.embed.requires_grad_(False), draft.lm_head.requires_grad_(False)
-    draft.layers.requires_grad_(True), draft.norm.requires_grad_(True)
-    return draft
-
-
-DRAFT_VOCAB = "draft_vocab.json"
-
-
-def save_draft(draft, target_folder: str, out: str, info: dict | None = None,
-               embeddings: bool = True, vocab_ids=None) -> None:
-    """A standard HF Llama folder: config.json (the target's, fewer layers), model.safetensors
-    (16-bit), the target's tokenizer files; written atomically. embeddings=False leaves the
-    embedding matrix out (the shipped copy: draft_folder rebuilds it from the target).
-    vocab_ids (R,): the reduced vocabulary greedy drafts choose from, in draft_vocab.json (other
-    tools ignore it)."""
-    import shutil
-    from safetensors.torch import save_file
-    from model import to_hf_names
-    c = draft.config
-    tensors = to_hf_names({k: v.detach().cpu() for k, v in draft.state_dict().items()}, c)
-    if not embeddings:
-        tensors = {k: v for k, v in tensors.items()
-                   if k not in ("model.embed_tokens.weight", "lm_head.weight")}
-    os.makedirs(out, exist_ok=True)
-    save_file({k: v.bfloat16() for k, v in tensors.items()}, f"{out}/model.safetensors.tmp",
-              metadata={"format": "pt"})
-    os.replace(f"{out}/model.safetensors.tmp", f"{out}/model.safetensors")
-    with open(f"{target_folder}/config.json") as f:
-        hf = json.load(f)
-    write_json(f"{out}/config.json", hf | {"num_hidden_layers": c.num_layers,
-                                            "torch_dtype": "bfloat16"})
-    for name in TOKENIZER_FILES:
-        if os.path.isfile(f"{target_folder}/{name}"):
-            shutil.copyfile(f"{target_folder}/{name}", f"{out}/{name}")
-    if vocab_ids is not None:
-        write_json(f"{out}/{DRAFT_VOCAB}", sorted(vocab_ids.tolist()), indent=None)
-    if info is not None:
-        write_json(f"{out}/training.json", info)
-
-
-def load_draft_vocab(folder: str, vocab_size: int):
-    """-> (R,) target ids from the draft folder's draft_vocab.json, or None where it has none."""
-    path = os.path.join(folder, DRAFT_VOCAB)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        try:
-            ids = json.load(f)
-        except json.JSONDecodeError as e:
-            raise LoadError(f"{path}: not JSON ({e})") from None
-    if not (isinstance(ids, list) and ids and all(isinstance(i, int) and 0 <= i < vocab_size
-                                                  for i in ids)):
-        raise LoadError(f"{path}: expected a list of token ids below the vocabulary size {vocab_size}")
-    return torch.tensor(sorted(set(ids)))
-
-
-def draft_folder(folder: str, target_folder: str, cache: str) -> str:
-    """-> a complete HF folder for the draft in `folder`: itself when it holds its embeddings,
-    else a copy under `cache` with the target's embedding matrix added (built once, atomically)."""
-    import hashlib
-    import shutil
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-    weights = f"{folder}/model.safetensors"
-    if not os.path.isfile(weights):
-        raise LoadError(f"{folder}: no model.safetensors; is this a draft folder?")
-    config = read_json(f"{folder}/config.json", "the draft's config")
-    if "kind" in config:                    # a head folder of train_heads.py
-        raise LoadError(f"{folder} holds {config['kind']} heads, not a draft model (a HF "
-                        f"Llama folder); heads go to --head")
-    with safe_open(weights, framework="pt") as f:
-        if "model.embed_tokens.weight" in f.keys():
-            return folder
-    with open(weights, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:12]
-    out = os.path.join(cache, f"draft-{os.path.basename(folder.rstrip('/'))}-{digest}")
-    if os.path.isfile(f"{out}/model.safetensors"):
-        return out
-    target_files = [f"{target_folder}/model.safetensors"]
-    if not os.path.isfile(target_files[0]):
-        raise LoadError(f"{target_folder}: need a single model.safetensors to take the draft's "
-                        "embeddings from")
-    tied = config.get("tie_word_embeddings", False)
-    names = ["model.embed_tokens.weight"] + ([] if tied else ["lm_head.weight"])
-    with safe_open(target_files[0], framework="pt") as f:
-        shared = {n: f.get_tensor(n).bfloat16() for n in names}
-    tensors = load_file(weights) | shared
-    tmp = out + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(folder, tmp)
-    save_file(tensors, f"{tmp}/model.safetensors", metadata={"format": "pt"})
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    return out

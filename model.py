@@ -8,7 +8,6 @@ prefix plus an arbitrary (T, T) boolean mask among themselves; plain decoding pa
 mask, tree verification passes the tree's ancestor mask. Afterwards `KVCache.keep` keeps a chosen
 subset of the new slots (the accepted path) and moves the length: that is the whole rollback.
 """
-import copy
 import json
 import math
 import os
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
 
 from kernels import attention_mask
 
@@ -405,61 +405,6 @@ class Rope(nn.Module):
         return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
 
 
-def compiled(module: nn.Module) -> nn.Module:
-    """A copy of module that shares its weights and runs its decoder Blocks through torch.compile.
-
-    The module itself stays eager, so a benchmark can time both in one run. Every Block is one
-    graph with its weights as inputs, so the 30 layers of the default model compile once
-    (seconds), not 30 times. Shapes are symbolic (dynamic=True): the cached prefix grows every
-    step, and trees change size."""
-    return shallow_copy(module, lambda m: torch.compile(m, dynamic=True)
-                        if isinstance(m, Block) else None)
-
-
-def shallow_copy(module: nn.Module, stand_in=lambda m: None) -> nn.Module:
-    """A copy of module and its submodules that shares their parameters and buffers;
-    stand_in(m) may return a replacement for a submodule m (then it is not copied)."""
-    replaced = stand_in(module)
-    if replaced is not None:
-        return replaced
-    view = copy.copy(module)
-    view._modules = {name: shallow_copy(child, stand_in) for name, child in module._modules.items()}
-    return view
-
-
-# ---------------------------------------------------------------- random weights of a known shape
-
-# Shapes for timing without a checkpoint (`--model random:NAME`): where no weights can be
-# downloaded, the cost of a forward still depends only on the shape.
-SHAPES = {
-    "smollm2-135m": LlamaConfig(),
-    "llama3.2-1b": LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                               num_layers=16, num_heads=32, num_kv_heads=8, rope_theta=500000.0,
-                               rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192)),
-    "llama3-8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                             num_layers=32, num_heads=32, num_kv_heads=8, rope_theta=500000.0,
-                             rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), tie_embeddings=False),
-    # The default model's 30 layers and sequence of operations, with matrices too small to cost:
-    # its forward times what a forward costs besides reading weights (per-operation overhead).
-    "smollm2-135m-thin": LlamaConfig(vocab_size=512, hidden_size=96, intermediate_size=256,
-                                     num_heads=3, num_kv_heads=1),
-}
-
-
-def random_model(name: str, dtype=torch.float32, device="cpu") -> Llama:
-    """A Llama of a known shape (SHAPES) with nn's default random init, built on the device."""
-    if name not in SHAPES:
-        raise LoadError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}")
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)          # built in dtype: 8B in fp32 first would need 32 GB
-    try:
-        with torch.device(device):
-            model = Llama(copy.deepcopy(SHAPES[name]))
-    finally:
-        torch.set_default_dtype(default)
-    return model.eval()
-
-
 # ---------------------------------------------------------------- loading HF checkpoints
 
 def hf_tensor_shapes(c: LlamaConfig) -> dict:
@@ -556,7 +501,6 @@ def safetensors_files(folder: str) -> list:
 
 def read_safetensors(files: list, dtype) -> dict:
     """All tensors of the files, cast to dtype; a truncated or corrupt file names itself."""
-    from safetensors import SafetensorError, safe_open
     tensors = {}
     for path in files:
         if not os.path.isfile(path):

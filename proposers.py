@@ -197,13 +197,6 @@ class DraftModelProposer:
         self.pending = tree.tokens[accepted[n_fed:].cpu()].tolist()
 
 
-def module_bytes(module) -> int:
-    """Bytes of a module's parameters and buffers (0 for None)."""
-    if module is None:
-        return 0
-    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
-
-
 class PromptLookupProposer:
     """Prompt lookup: propose what followed the latest earlier occurrence of the last n tokens.
 

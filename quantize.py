@@ -1,4 +1,5 @@
-"""Weight-only quantized linear layers, swapped into a model at load (as gpt-fast's quantize.py).
+"""The speed machinery, attached by swapping modules (as gpt-fast's quantize.py): weight-only
+quantized linear layers, and torch.compile's copy.
 
 Dimensions: M rows (batch x tokens), I input features, O output features, G group size.
 
@@ -15,10 +16,16 @@ int4 is llama.cpp's Q4_1 block, so the default model (a Q4_1 file, stored dequan
 by default_model.py) gets its original blocks back: `int4_blocks` recovers the file's q exactly,
 and its float16 d and m (tested against the GGUF file); the kernel then holds d and m + 8d in
 the activations' dtype.
+
+`compiled` is the other swap: a copy of a model whose decoder blocks run through torch.compile.
 """
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from model import Block
 
 WEIGHTS = ("float", "int8", "int4")
 GROUP = 32                                    # Q4_1's block length
@@ -131,3 +138,27 @@ def quantize(module: nn.Module, form: str, head_form: str | None = None) -> nn.M
                 chosen = head_form or form if full == "lm_head" else form
                 setattr(parent, name, convert(child, chosen, full))
     return module
+
+
+# ---------------------------------------------------------------- torch.compile
+
+def compiled(module: nn.Module) -> nn.Module:
+    """A copy of module that shares its weights and runs its decoder Blocks through torch.compile.
+
+    The module itself stays eager, so a benchmark can time both in one run. Every Block is one
+    graph with its weights as inputs, so the 30 layers of the default model compile once
+    (seconds), not 30 times. Shapes are symbolic (dynamic=True): the cached prefix grows every
+    step, and trees change size."""
+    return shallow_copy(module, lambda m: torch.compile(m, dynamic=True)
+                        if isinstance(m, Block) else None)
+
+
+def shallow_copy(module: nn.Module, stand_in=lambda m: None) -> nn.Module:
+    """A copy of module and its submodules that shares their parameters and buffers;
+    stand_in(m) may return a replacement for a submodule m (then it is not copied)."""
+    replaced = stand_in(module)
+    if replaced is not None:
+        return replaced
+    view = copy.copy(module)
+    view._modules = {name: shallow_copy(child, stand_in) for name, child in module._modules.items()}
+    return view

@@ -127,11 +127,11 @@ def test_incremental_decoding_equals_full_forward(dtype):
 def test_forward_costs_time_the_sizes_in_turns():
     """A burst of load on a shared machine must slow one round of every size, not every repeat
     of one size: the sizes take turns, one forward each, after one prefill."""
-    import spec
+    from methods import forward_costs
     model, fed = tiny_model(), []
     forward = model.forward
     model.forward = lambda ids, *a, **k: (fed.append(ids.shape[1]), forward(ids, *a, **k))[1]
-    costs = spec.forward_costs(model, (1, 2, 3), prefix=16, repeats=2)
+    costs = forward_costs(model, (1, 2, 3), prefix=16, repeats=2)
     assert fed == [16, 1, 2, 3, 1, 2, 3] and sorted(costs) == [1, 2, 3]
     assert all(ms > 0 for ms in costs.values())
 
@@ -216,7 +216,9 @@ def test_cli_rejects_bad_flags_before_loading_anything(flags, message, capsys):
 def test_head_folders_go_to_the_methods_of_their_kind(capsys):
     # --head is routed by the kind of head a folder holds, so one bench can take an EAGLE and a
     # Medusa folder together; a folder no chosen method reads is refused before any loading
-    from spec import WEIGHTS, head_folder, main
+    from default_model import WEIGHTS
+    from methods import head_folder
+    from spec import main
     eagle, medusa = f"{WEIGHTS}/smollm2-135m-eagle", f"{WEIGHTS}/smollm2-135m-medusa"
     assert head_folder([medusa, eagle], "eagle") == eagle
     assert head_folder([medusa, eagle], "medusa") == medusa
@@ -233,8 +235,9 @@ def test_head_folders_go_to_the_methods_of_their_kind(capsys):
 def test_a_head_given_as_draft_and_a_draft_given_as_head_are_named(tmp_path, capsys):
     # the two kinds of folder in weights/ are easy to swap; each must say what it holds, not
     # fail inside safetensors (a head as --draft asked the target for an lm_head it ties)
-    from heads import draft_folder
-    from spec import WEIGHTS, main
+    from methods import draft_folder
+    from default_model import WEIGHTS
+    from spec import main
     with pytest.raises(LoadError, match="holds eagle heads, not a draft model"):
         draft_folder(f"{WEIGHTS}/smollm2-135m-eagle", str(tmp_path), str(tmp_path))
     with pytest.raises(SystemExit) as e:
@@ -813,7 +816,7 @@ def test_padded_trees_change_nothing():
 
 
 def test_compiled_model_equals_eager():
-    from model import compiled
+    from quantize import compiled
     from proposers import PromptLookupProposer
     target = tiny_model(6).to(torch.float32)
     fast = compiled(target)
@@ -827,15 +830,14 @@ def test_compiled_model_equals_eager():
 
 def test_cache_room_counts_the_lookup_branch():
     # eagle2+ngram verifies EAGLE-2's tree plus the lookup chain: the cache must hold both.
-    from spec import AUTO_MAX, LOOKUP_DEPTH, parse_args, tree_budget
-    assert tree_budget(parse_args(["--method", "eagle2+ngram"])) == AUTO_MAX + LOOKUP_DEPTH
-    assert tree_budget(parse_args(["--method", "eagle2+ngram", "--tree-size", "7"])) == \
-        7 + LOOKUP_DEPTH
-    assert tree_budget(parse_args(["--method", "eagle2", "--tree-size", "7"])) == 7
+    from methods import AUTO_MAX, LOOKUP_DEPTH, method_config, tree_budget
+    assert tree_budget(method_config("eagle2+ngram")) == AUTO_MAX + LOOKUP_DEPTH
+    assert tree_budget(method_config("eagle2+ngram", tree_size=7)) == 7 + LOOKUP_DEPTH
+    assert tree_budget(method_config("eagle2", tree_size=7)) == 7
 
 
 def test_random_model_of_a_known_shape(capsys):
-    from model import random_model
+    from methods import random_model
     from spec import parse_args
     big = random_model("llama3-8b", device="meta")                              # no memory
     assert round(sum(p.numel() for p in big.parameters()) / 1e9, 2) == 8.03    # Llama-3-8B
@@ -852,7 +854,7 @@ def test_random_model_of_a_known_shape(capsys):
 def test_verify_curve_of_the_thin_shape(tmp_path, capsys):
     # the thin shape keeps the default model's layers and heads, so its curve is the default
     # model's cost of everything but reading weights (README: where a forward's time goes)
-    from model import SHAPES
+    from methods import SHAPES
     import spec
     thin, default = SHAPES["smollm2-135m-thin"], SHAPES["smollm2-135m"]
     assert (thin.num_layers, thin.num_heads // thin.num_kv_heads) == \

@@ -16,15 +16,34 @@ Dimensions: B batch, T tokens, S cache slots, C hidden size, V vocab, R reduced 
 J unrolled draft steps (EAGLE-3's training-time test).
 """
 import argparse
+import copy
+import hashlib
 import json
 import os
+import random
+import shutil
+import subprocess
 import time
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
 from tqdm import tqdm
 
-from model import KVCache, Llama, LlamaConfig
+from bench import jsonl_rows
+from decode import GenConfig, generate_spec
+from default_model import default_model_path
+from heads import (HeadConfig, best_paths, build_head, eagle_layer_config, load_head,
+                   projection_rows, read_head_config, save_head, write_json)
+from kernels import attention_mask
+from methods import DRAFT_VOCAB, pick_device
+from model import KVCache, Llama, LlamaConfig, load_model, to_hf_names
+from proposers import DraftConfig, DraftModelProposer, EagleProposer, MedusaProposer
+from tokenizer import load_tokenizer
+from tree import static_tree
+
 
 SHARD_LINES = 256            # data lines per feature shard: the unit of resumption
 
@@ -35,7 +54,6 @@ def read_conversations(path: str, sources=()) -> list:
     """JSONL -> [(user text, assistant text or None)]: `messages` pairs, or `prompt` alone (the
     target then writes the answer itself). sources: keep only lines whose `source` is one of
     them. A bad line names its number."""
-    from bench import jsonl_rows
     rows = []
     for number, row in jsonl_rows(path):
         if sources and row.get("source") not in sources:
@@ -59,7 +77,6 @@ def templated_prompts(rows: list, templates: list, seed: int) -> list:
     """Each prompt rewritten by one of the templates ("... {prompt} ..."), drawn at random; the
     answers are dropped, for the target to write. Turns short questions into requests for
     long answers, e.g. "Explain in detail: {prompt}"."""
-    import random
     for t in templates:
         if "{prompt}" not in t:
             raise ValueError(f"--template {t!r}: it must contain {{prompt}}")
@@ -186,7 +203,6 @@ def add_taps(target: Llama, folder: str, taps: tuple, batch: int) -> None:
     """Add the outputs of target layers `taps` to every shard of `folder` that lacks them,
     teacher-forced from the shard's own tokens (its answers stay the ones the target wrote).
     Only the layers up to the last tap run. Shard by shard, atomically: resumable."""
-    from safetensors.torch import load_file
     if max(taps) >= target.config.num_layers:
         raise ValueError(f"--taps {list(taps)}: the target has layers 0..{target.config.num_layers - 1}")
     names = shard_names(folder)
@@ -211,13 +227,11 @@ def shard_names(folder: str) -> list:
 
 
 def shard_keys(path: str) -> set:
-    from safetensors import safe_open
     with safe_open(path, "pt") as f:
         return set(f.keys())
 
 
 def save_tensors(tensors: dict, path: str) -> None:
-    from safetensors.torch import save_file
     save_file(tensors, path + ".tmp")
     os.replace(path + ".tmp", path)
 
@@ -237,7 +251,6 @@ class Seq:
 
 
 def load_features(folder: str, taps=()) -> list:
-    from safetensors.torch import load_file
     names = shard_names(folder) if os.path.isdir(folder) else []
     if not names:
         raise ValueError(f"{folder}: no feature shards; run with --stage features first")
@@ -401,7 +414,6 @@ def draft_hidden(draft, tokens) -> torch.Tensor:
     """Llama.forward for training: tokens (B, L) -> final features (B, L, C), causal. Each layer
     gets fresh K/V buffers: in one shared cache tensor a later layer's write would bump the
     version of what earlier layers saved for backward, and autograd refuses that."""
-    from kernels import attention_mask
     B, L = tokens.shape
     c = draft.config
     pos = torch.arange(L, device=tokens.device)[None].expand(B, L)
@@ -501,7 +513,6 @@ def save_checkpoint(path, head, opt, state) -> None:
 @torch.inference_mode()
 def measure_tau(target, proposer, seqs: list, max_new: int, stop_ids) -> float:
     """Tokens per target forward of the real decoding loop on held-out prompts."""
-    from decode import GenConfig, generate_spec
     new = forwards = 0
     for s in tqdm(seqs, desc="tau", unit="prompt"):
         r = generate_spec(target, proposer, s.tokens[:s.prompt_len].tolist(), GenConfig(max_new),
@@ -531,7 +542,7 @@ def accuracy_table(target, head, kind: str, seqs: list, depth: int, ranks: int =
             if kind == "eagle":
                 mask[:, :d] = False
             logits = logits[:, :L]                                                # (B, L, R)
-            lab = label[:, shift:]
+            lab = label[:, shift:].contiguous()                                   # (B, L)
             where = torch.searchsorted(head.vocab_ids, lab).clamp(max=len(head.vocab_ids) - 1)
             inside = head.vocab_ids[where] == lab
             mine = logits.gather(-1, where[..., None]).squeeze(-1)
@@ -545,7 +556,6 @@ def accuracy_table(target, head, kind: str, seqs: list, depth: int, ranks: int =
 
 
 def head_projection(target, head) -> torch.Tensor:
-    from heads import projection_rows
     return projection_rows(target, head.vocab_ids).float()
 
 
@@ -562,8 +572,21 @@ def layer_list(text: str) -> tuple:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    d = TrainConfig()
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    for add in (data_flags, shape_flags, optimizer_flags):
+        add(p)
+    args = p.parse_args(argv)
+    check_ranges(p, args)
+    try:
+        args.device = pick_device(args.device)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def data_flags(p) -> None:
+    """What to train, from which target and data, and where the features go."""
     p.add_argument("--method", choices=["eagle", "medusa", "draft"], required=True,
                    help="what to train: the EAGLE head (used by spec.py --method eagle and "
                         "eagle2), Medusa heads, or a distilled draft model (--method draft)")
@@ -589,6 +612,12 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=192,
                    help="longest answer the target writes (or that is kept of a dataset answer)")
     p.add_argument("--max-prompt-tokens", type=int, default=384, help="skip longer prompts")
+    p.add_argument("--device", help="cpu, cuda, ... for the target, the head and the batches "
+                                    "(default: the best available); the shards stay on disk")
+
+
+def shape_flags(p) -> None:
+    """The head or draft trained: its vocabulary, size, start and taps."""
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="R: the heads (and the draft model's greedy drafts) predict over the R most "
                         "frequent answer tokens")
@@ -614,6 +643,11 @@ def parse_args(argv=None):
                         "fused with the final feature (EAGLE-3); e.g. 1,14. The features stage "
                         "adds them to existing shards. With --init, a head without taps gains "
                         "them, started as a pass-through of the final feature")
+
+
+def optimizer_flags(p) -> None:
+    """How long and how it learns, and what is held out to measure it."""
+    d = TrainConfig()
     p.add_argument("--held-out", type=int, default=128,
                    help="sequences kept out of training to measure accuracy and tau")
     p.add_argument("--tau-prompts", type=int, default=10, help="held-out prompts decoded for tau")
@@ -628,16 +662,6 @@ def parse_args(argv=None):
     p.add_argument("--feature-weight", type=float, default=d.feature_weight,
                    help="EAGLE: weight of the feature regression loss")
     p.add_argument("--seed", type=int, default=d.seed, help="shuffling and initialization seed")
-    p.add_argument("--device", help="cpu, cuda, ... for the target, the head and the batches "
-                                    "(default: the best available); the shards stay on disk")
-    args = p.parse_args(argv)
-    check_ranges(p, args)
-    from spec import pick_device
-    try:
-        args.device = pick_device(args.device)
-    except ValueError as e:
-        p.error(str(e))
-    return args
 
 
 def check_ranges(p, args) -> None:
@@ -654,21 +678,16 @@ def check_ranges(p, args) -> None:
 
 
 def default_features_dir(args) -> str:
-    from default_model import default_model_path
     root = os.path.dirname(args.model.rstrip("/")) if args.model else \
         os.path.dirname(default_model_path(args.cache_dir))
     name = os.path.splitext(os.path.basename(args.data))[0]
     if args.sources or args.template:       # a different set of conversations: its own folder
-        import hashlib
         what = json.dumps([sorted(args.sources), args.template, args.seed]).encode()
         name += "-" + hashlib.sha1(what).hexdigest()[:8]
     return os.path.join(root, f"features-{name}")
 
 
 def main(argv=None):
-    from default_model import default_model_path
-    from model import load_model
-    from tokenizer import load_tokenizer
     args = parse_args(argv)
     if args.init and args.method == "draft":
         raise ValueError("--init continues an EAGLE or Medusa head; it does not apply to --method draft")
@@ -678,7 +697,6 @@ def main(argv=None):
         raise ValueError(f"--wise {args.wise}: a weight in [0, 1] between an --init head and "
                          "the one trained from it; it needs --init")
     if args.init:                # read now, not after an hour of self-distillation
-        from heads import read_head_config
         init = read_head_config(args.init)
         if init.kind != args.method:
             raise ValueError(f"--init {args.init} holds {init.kind} heads; --method "
@@ -704,7 +722,6 @@ def main(argv=None):
 
 
 def train_and_save(args, model_path: str, features: str, tokenizer) -> None:
-    from model import load_model
     torch.manual_seed(args.seed)
     target = load_model(model_path, torch.float32, args.device).requires_grad_(False)
     seqs = [s for folder in features.split(",")            # "~" after a comma: the shell keeps it
@@ -733,7 +750,6 @@ def record_fields(record: dict) -> dict:
 
 
 def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) -> dict:
-    from heads import projection_rows, save_head
     head, config = (init_head(args, target) if args.init
                     else new_head(args, target, train_seqs, tokenizer.stop_ids))
     proj = projection_rows(target, head.vocab_ids)                         # (R, C)
@@ -765,7 +781,6 @@ def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) 
 def new_head(args, target, train_seqs: list, stop_ids) -> tuple:
     """-> (head, HeadConfig): residual blocks that start as the identity (Medusa) or a fresh
     EAGLE layer, over the draft vocabulary of these sequences (or of the run being resumed)."""
-    from heads import HeadConfig, build_head, eagle_layer_config
     ckpt = os.path.join(args.out, "checkpoint.pt")
     if os.path.exists(ckpt):                 # resuming: the vocabulary the run started with
         vocab = torch.load(ckpt, weights_only=False, map_location="cpu")["head"]["vocab_ids"]
@@ -793,7 +808,6 @@ def init_head(args, target) -> tuple:
     """-> (head, HeadConfig) of the trained head in --init, to train further: its shape and
     draft vocabulary are kept (--draft-vocab and --heads do not apply), but for the taps it
     gains (--taps)."""
-    from heads import build_head, load_head
     head, config = load_head(args.init, target, args.method)
     config.accuracy = []                                                   # measured again
     if args.taps and tuple(config.taps) != args.taps:
@@ -808,10 +822,61 @@ def init_head(args, target) -> tuple:
     return head.float().train().requires_grad_(True), config
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json")
+
+
+def init_draft(target, layers: int):
+    """A `layers`-deep Llama starting from evenly spaced target layers (first and last included).
+
+    Embedding and output head are the target's own, shared and frozen: the draft learns only its
+    blocks and final norm, and its file needs no embedding matrix of its own."""
+    N = target.config.num_layers
+    if not 1 <= layers <= N:
+        raise ValueError(f"draft layers must be in 1..{N}, got {layers}")
+    picks = [round(i * (N - 1) / max(layers - 1, 1)) for i in range(layers)]
+    config = LlamaConfig(**{**asdict(target.config), "num_layers": layers})
+    with torch.device("meta"):
+        draft = Llama(config)
+    draft.layers = nn.ModuleList(copy.deepcopy(target.layers[i]) for i in picks)
+    draft.norm = copy.deepcopy(target.norm)
+    draft.embed, draft.lm_head, draft.rope = target.embed, target.lm_head, target.rope
+    draft.embed.requires_grad_(False), draft.lm_head.requires_grad_(False)
+    draft.layers.requires_grad_(True), draft.norm.requires_grad_(True)
+    return draft
+
+
+def save_draft(draft, target_folder: str, out: str, info: dict | None = None,
+               embeddings: bool = True, vocab_ids=None) -> None:
+    """A standard HF Llama folder: config.json (the target's, fewer layers), model.safetensors
+    (16-bit), the target's tokenizer files; written atomically. embeddings=False leaves the
+    embedding matrix out (the shipped copy: draft_folder rebuilds it from the target).
+    vocab_ids (R,): the reduced vocabulary greedy drafts choose from, in draft_vocab.json (other
+    tools ignore it)."""
+    c = draft.config
+    tensors = to_hf_names({k: v.detach().cpu() for k, v in draft.state_dict().items()}, c)
+    if not embeddings:
+        tensors = {k: v for k, v in tensors.items()
+                   if k not in ("model.embed_tokens.weight", "lm_head.weight")}
+    os.makedirs(out, exist_ok=True)
+    save_file({k: v.bfloat16() for k, v in tensors.items()}, f"{out}/model.safetensors.tmp",
+              metadata={"format": "pt"})
+    os.replace(f"{out}/model.safetensors.tmp", f"{out}/model.safetensors")
+    with open(f"{target_folder}/config.json") as f:
+        hf = json.load(f)
+    write_json(f"{out}/config.json", hf | {"num_hidden_layers": c.num_layers,
+                                            "torch_dtype": "bfloat16"})
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(f"{target_folder}/{name}"):
+            shutil.copyfile(f"{target_folder}/{name}", f"{out}/{name}")
+    if vocab_ids is not None:
+        write_json(f"{out}/{DRAFT_VOCAB}", sorted(vocab_ids.tolist()), indent=None)
+    if info is not None:
+        write_json(f"{out}/training.json", info)
+
+
 def train_draft(args, tc, target, model_path, train_seqs, held, tokenizer, info) -> dict:
     """The distilled draft: KL to the target from its cached features; a standard HF folder."""
-    from heads import init_draft, save_draft
-    from proposers import DraftConfig, DraftModelProposer
     draft = init_draft(target, args.layers)
     vocab = draft_vocabulary(train_seqs, args.draft_vocab, tokenizer.stop_ids)
     record = train(draft, lambda seqs: draft_loss(draft, seqs), train_seqs, tc, args.out)
@@ -834,9 +899,6 @@ def train_draft(args, tc, target, model_path, train_seqs, held, tokenizer, info)
 def held_out_tau(args, target, head, config, held: list, tokenizer) -> dict:
     """tau of the real decoding loop (float32 target) on the first held-out prompts; {} with
     --tau-prompts 0 (nothing measured, rather than a tau of 0)."""
-    from heads import best_paths
-    from proposers import DraftConfig, EagleProposer, MedusaProposer
-    from tree import static_tree
     seqs = held[:args.tau_prompts]
     if not seqs:
         return {}
@@ -860,7 +922,6 @@ def read_json(path: str):
 def git_commit() -> str:
     """HEAD's hash, with "-dirty" when tracked files differ from it (the code that ran is then
     not exactly that commit's)."""
-    import subprocess
     here = os.path.dirname(os.path.abspath(__file__))
 
     def run(*cmd):
