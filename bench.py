@@ -169,12 +169,12 @@ def format_tables(summary: dict, methods: list) -> str:
 
 
 @torch.inference_mode()
-def run_bench(args, build, loaded: tuple) -> dict:
+def run_bench(args, build, loaded: tuple, out=sys.stdout) -> dict:
     """build(args, method, loaded, GenConfig) -> (decode(prompt_ids) -> decode.Result, added MB,
     configuration in words); loaded: (model path, target, tokenizer).
 
     One run per temperature in args.temperature (a list), each with its own baseline. Returns
-    the JSON report; the tables go to stderr."""
+    the JSON report; the tables go to `out`, the progress to stderr."""
     path, target, tokenizer = loaded
     methods = args.methods.split(",")
     if methods[0] != "ar":
@@ -194,32 +194,50 @@ def run_bench(args, build, loaded: tuple) -> dict:
             make = peer_decoder if m in PEERS else build
             decoders[T, m], extra_mb[m], configs[m] = make(args, m, loaded, gen)
             decoders[T, m](tokenizer.chat_prompt("Hello! Say something."))       # warm-up
-    records = []
-    bar = tqdm(total=len(prompts) * len(decoders), desc="bench", unit="run", file=sys.stderr)
-    for p in prompts:
-        for (T, m), decode in decoders.items():
-            history = []
-            for turn, text in enumerate(p.turns):
-                ids = tokenizer.chat_ids(history + [("user", text)])
-                r = decode(ids)
-                records.append(Record(m, p.id, p.category, turn, r.token_ids, r.target_forwards,
-                                      r.seconds, r.accepted, T, sum(r.draft_seconds)))
-                answer = [t for t in r.token_ids if t not in tokenizer.stop_ids]
-                history += [("user", text), ("assistant", tokenizer.decode(answer))]
-            bar.update(1)
-    bar.close()
+    records, interrupted = decode_all(prompts, decoders, tokenizer)
     target_mb = module_bytes(target) / 2**20          # quantized weights are buffers
     runs = []
     for T in args.temperature:
         summary = summarize([r for r in records if r.temperature == T], methods, extra_mb,
                             target_mb, configs)
-        print(f"\n== temperature {T:g}\n" + format_tables(summary, methods), file=sys.stderr)
+        print(f"\n== temperature {T:g}\n" + format_tables(summary, methods), file=out)
         runs.append({"temperature": T, "summary": summary})
     if len(runs) > 1:
-        print("\n" + format_temperatures(runs, methods), file=sys.stderr)
+        print("\n" + format_temperatures(runs, methods), file=out)
+    count = len({r.id for r in records})
     return {"model_path": path, "dtype": args.dtype, "device": args.device,
-            "prompts": args.bench, "count": len(prompts), "max_new_tokens": args.max_new_tokens,
-            "runs": runs, "records": [r.__dict__ for r in records]}
+            "prompts": args.bench, "count": count, "max_new_tokens": args.max_new_tokens,
+            "interrupted": interrupted, "runs": runs, "records": [r.__dict__ for r in records]}
+
+
+def decode_all(prompts: list, decoders: dict, tokenizer) -> tuple:
+    """Every decoder on every prompt, prompt by prompt -> (records, interrupted). Ctrl-C keeps
+    the prompts that every decoder finished (KeyboardInterrupt again when there are none)."""
+    records = []
+    bar = tqdm(total=len(prompts) * len(decoders), desc="bench", unit="run", file=sys.stderr)
+    try:
+        for p in prompts:
+            done = len(records)
+            for (T, m), decode in decoders.items():
+                history = []
+                for turn, text in enumerate(p.turns):
+                    ids = tokenizer.chat_ids(history + [("user", text)])
+                    r = decode(ids)
+                    records.append(Record(m, p.id, p.category, turn, r.token_ids,
+                                          r.target_forwards, r.seconds, r.accepted, T,
+                                          sum(r.draft_seconds)))
+                    answer = [t for t in r.token_ids if t not in tokenizer.stop_ids]
+                    history += [("user", text), ("assistant", tokenizer.decode(answer))]
+                bar.update(1)
+    except KeyboardInterrupt:
+        bar.close()
+        if not done:
+            raise
+        print(f"interrupted: the tables count the {len({r.id for r in records[:done]})} "
+              "prompts every method finished", file=sys.stderr)
+        return records[:done], True
+    bar.close()
+    return records, False
 
 
 def format_temperatures(runs: list, methods: list) -> str:

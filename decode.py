@@ -111,8 +111,10 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
     target's own draws are keyed on position (see `draws`)."""
     device = target.embed.weight.device
     generator = torch.Generator(device).manual_seed(gen.seed)
-    max_nodes = proposer.max_nodes
+    max_nodes, ctx = proposer.max_nodes, target.config.max_positions
     cache = target.new_cache(1, check_room(target, prompt_ids, gen, max_nodes))
+    # plain decoding's last token comes from the context's last position: no more here either
+    limit = min(gen.max_new_tokens, ctx - len(prompt_ids) + 1)
     result, t0 = Result(), time.perf_counter()
     taps = proposer.taps                 # target layers an EAGLE-3 head reads beside the last
     logits, hidden = target(torch.tensor([prompt_ids], device=device),
@@ -121,11 +123,11 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
     result.target_forwards = 1
     u = draws(gen, [cache.length])
     root = int(next_tokens(logits[0, -1], gen.temperature, gen.top_p, u))
-    _, done = take(result, [root], stop_ids, gen.max_new_tokens)
+    _, done = take(result, [root], stop_ids, limit)
     if on_tokens:
         on_tokens([root], [False])
     proposer.start(prompt_ids, hidden[0])
-    while not done and cache.length + max_nodes < cache.slots:
+    while not done and cache.length + max_nodes <= ctx:      # every node inside the context
         t = time.perf_counter()          # no sync added: a proposer syncs to read its own choices
         tree, q = proposer.propose(root, gen, generator)
         result.draft_seconds.append(time.perf_counter() - t)
@@ -144,11 +146,20 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
         new = tree.tokens[accepted[1:]].tolist() + [root]
         result.accepted.append(len(new) - 1)
         result.drafted.append(tree.size - 1)
-        taken, done = take(result, new, stop_ids, gen.max_new_tokens)
+        taken, done = take(result, new, stop_ids, limit)
         if on_tokens:
             on_tokens(new[:taken], ([True] * (len(new) - 1) + [False])[:taken])
         if on_step:                                  # --show-tree
             on_step(tree, accepted.tolist(), root)
+    while not done:                  # the context's last positions: too few for a whole tree
+        logits, _ = target(torch.tensor([[root]], device=device),
+                           torch.tensor([[cache.length]], device=device), cache, last_only=True)
+        result.target_forwards += 1
+        u = draws(gen, [cache.length])
+        root = int(next_tokens(logits[0, -1], gen.temperature, gen.top_p, u))
+        _, done = take(result, [root], stop_ids, limit)
+        if on_tokens:
+            on_tokens([root], [False])
     result.seconds = time.perf_counter() - t0
     return result
 

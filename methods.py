@@ -4,6 +4,7 @@ that makes its proposer (spec.py and bench.py map their flags onto these datacla
     target = load_target(TargetConfig())                        # (path, Llama, Tokenizer)
     proposer, info = build_proposer(method_config("eagle2"), *target, slots)
 """
+import argparse
 import copy
 import hashlib
 import json
@@ -15,7 +16,7 @@ import time
 from dataclasses import dataclass, replace
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from decode import GenConfig, generate_spec
@@ -81,6 +82,14 @@ def method_config(method: str, depth=None, top_k=None, tree_size=None, **options
 
 # ---------------------------------------------------------------- the target
 
+class Parser(argparse.ArgumentParser):
+    """spec.py's and train_heads.py's flags: a bad one is one `error:` line and exit code 2."""
+
+    def error(self, message):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def pick_device(name: str | None) -> str:
     """The device named, checked to exist here (ValueError), or the best available."""
     if name:
@@ -116,7 +125,11 @@ def load_target(tc: TargetConfig) -> tuple:
         return tc.model, quantize(target, form, head_form), None
     path = tc.model or default_model_path(tc.cache_dir)
     target = quantize(load_model(path, dtype, tc.device), form, head_form)
-    return path, target, load_tokenizer(path)
+    tokenizer = load_tokenizer(path)
+    if tokenizer.vocab_size > target.config.vocab_size:    # its ids would index past the table
+        raise LoadError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the model's "
+                        f"embedding {target.config.vocab_size}")
+    return path, target, tokenizer
 
 
 # Shapes for timing without a checkpoint (random:NAME): the cost of a forward depends only on them.
@@ -350,9 +363,12 @@ def draft_folder(folder: str, target_folder: str, cache: str) -> str:
     if "kind" in config:                    # a head folder of train_heads.py
         raise LoadError(f"{folder} holds {config['kind']} heads, not a draft model (a HF "
                         f"Llama folder); heads go to --head")
-    with safe_open(weights, framework="pt") as f:
-        if "model.embed_tokens.weight" in f.keys():
-            return folder
+    try:
+        with safe_open(weights, framework="pt") as f:
+            if "model.embed_tokens.weight" in f.keys():
+                return folder
+    except SafetensorError as e:
+        raise LoadError(f"{weights}: truncated or corrupt ({e})") from None
     with open(weights, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:12]
     out = os.path.join(cache, f"draft-{os.path.basename(folder.rstrip('/'))}-{digest}")

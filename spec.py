@@ -14,13 +14,16 @@ import sys
 
 from bench import COMPILED, run_bench, verify_curve
 from decode import GenConfig, acceptance_by_position, check_room, generate_ar, generate_spec
-from methods import (METHODS, RANDOM, SHAPES, TREE_DEFAULTS, TargetConfig, build_proposer,
-                     check_heads, describe, load_target, method_config, pick_device, room)
+from methods import (METHODS, RANDOM, SHAPES, TREE_DEFAULTS, Parser, TargetConfig,
+                     build_proposer, check_heads, describe, load_target, method_config,
+                     pick_device, room)
 from quantize import compiled
 from tree import render_tree
 
 # long enough an answer to watch drafts arrive in bursts
 DEFAULT_PROMPT = "Explain how a bicycle works, in a few paragraphs."
+BENCH_METHODS = "ar,draft,ngram,medusa,eagle,eagle2"
+EXIT_BAD_INPUT, EXIT_INTERRUPTED = 2, 130          # argparse's code for bad input; 128 + SIGINT
 
 
 # ---------------------------------------------------------------- flags onto configurations
@@ -126,8 +129,7 @@ class Streamer:
 # ---------------------------------------------------------------- flags
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for add in (decoding_flags, model_flags, draft_flags, bench_flags):
         add(p)
     args = p.parse_args(argv)
@@ -141,13 +143,14 @@ def parse_args(argv=None):
 
 def decoding_flags(p) -> None:
     """What to decode and how: the method, the prompt, sampling, what is shown."""
-    p.add_argument("--method", choices=METHODS, default="ar",
+    p.add_argument("--method", choices=METHODS,
                    help="decoding method: ar = plain decoding, draft = draft-model speculation, "
                         "ngram = prompt lookup (the continuation of an earlier match), medusa = "
                         "Medusa heads, eagle = EAGLE head with a static tree, eagle2 = EAGLE head "
                         "with EAGLE-2's dynamic tree, eagle2+ngram = that tree plus the prompt "
-                        "lookup chain as one more branch")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message (or raw text)")
+                        "lookup chain as one more branch (default: ar)")
+    p.add_argument("--prompt", help="the user message (or raw text; default: " +
+                   repr(DEFAULT_PROMPT) + ")")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, no chat template")
     p.add_argument("--max-new-tokens", type=int, default=GenConfig.max_new_tokens,
                    help="stop after this many new tokens")
@@ -238,41 +241,89 @@ def bench_flags(p) -> None:
     p.add_argument("--bench", metavar="PROMPTS.jsonl",
                    help="benchmark --methods on JSONL prompts ({prompt} or {turns}, optional "
                         "category), e.g. Spec-Bench's question.jsonl; prints the tables")
-    p.add_argument("--methods", default="ar,draft,ngram,medusa,eagle,eagle2",
-                   help="comma-separated methods for --bench; ar always runs as the baseline")
+    p.add_argument("--methods", help="comma-separated methods for --bench; ar always runs as "
+                                     "the baseline (default: " + BENCH_METHODS + ")")
     p.add_argument("--categories", help="comma-separated categories for --bench (default: all)")
     p.add_argument("--peers", action="store_true",
                    help="--bench: also run transformers' generate on the same model, dtype and "
                         "prompts: plain (hf), prompt lookup (hf-ngram) and assisted by the "
                         "distilled draft (hf-assisted); needs transformers")
-    p.add_argument("--per-category", type=int, default=0,
+    p.add_argument("--per-category", type=int,
                    help="--bench: the first N prompts of each category (0: all)")
 
 
 def check_flags(p, args) -> None:
-    """Numbers that cannot work, refused before minutes of loading (p.error exits with 2)."""
+    """What cannot work, refused before minutes of loading (p.error exits with 2); then the
+    defaults of the flags whose absence is checked."""
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be at least 1")
-    if len(args.temperature) > 1 and not args.bench:
-        p.error("several temperatures only with --bench")
     if not all(0 <= t < float("inf") for t in args.temperature) or not 0 < args.top_p <= 1:
         p.error("--temperature must be a finite number >= 0 and --top-p in (0, 1]")
     if args.model and args.model.startswith(RANDOM) and not args.verify_curve:
         p.error("--model random:SHAPE only with --verify-curve: random weights have no "
                 "tokenizer and nothing worth decoding")
-    if args.peers and not args.bench:
-        p.error("--peers only with --bench")
-    unknown = [m for m in args.methods.split(",") if m not in METHODS]
-    if args.bench and unknown:          # else a typo would silently bench the draft model
-        p.error(f"--methods: unknown {', '.join(map(repr, unknown))}; choose from "
-                f"{', '.join(METHODS)} (transformers' own: --peers)")
+    check_together(p, args)
+    check_ranges(p, args)
+    if args.json not in (None, "-"):
+        check_writable(p, "--json", args.json)
+    args.method = args.method or "ar"
+    args.prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
+    args.methods = args.methods or BENCH_METHODS
+
+
+def check_together(p, args) -> None:
+    """Flags that make no sense with or without --bench."""
+    if args.bench:
+        alone = [f for f, v in (("--method", args.method), ("--prompt", args.prompt),
+                                ("--raw", args.raw or None),
+                                ("--show-tree", args.show_tree or None),
+                                ("--show-drafts", args.show_drafts)) if v is not None]
+        if alone:
+            p.error(f"{', '.join(alone)} with --bench: the bench decodes its prompt file "
+                    "with every method of --methods, and prints tables")
+        unknown = [m for m in (args.methods or BENCH_METHODS).split(",") if m not in METHODS]
+        if unknown:                   # else a typo would silently bench the draft model
+            p.error(f"--methods: unknown {', '.join(map(repr, unknown))}; choose from "
+                    f"{', '.join(METHODS)} (transformers' own: --peers)")
+        if not os.path.isfile(args.bench):
+            what = "a folder" if os.path.isdir(args.bench) else "no such file"
+            p.error(f"--bench {args.bench}: {what}; expected a JSONL file of prompts")
+        return
+    need = [f for f, v in (("--methods", args.methods), ("--categories", args.categories),
+                           ("--limit", args.limit), ("--per-category", args.per_category),
+                           ("--peers", args.peers or None)) if v is not None]
+    if len(args.temperature) > 1:
+        need.append("several --temperature values")
+    if need:
+        p.error(f"{', '.join(need)} only with --bench")
+
+
+# most a draft may propose (a deeper draft is never accepted whole at the accuracies measured;
+# deeper and wider trees take minutes to price and to grow)
+MOST = {"--num-speculative-tokens": 16, "--draft-top-k": 8, "--tree-size": 64, "--ngram-max": 16}
+
+
+def check_ranges(p, args) -> None:
+    size = None if args.tree_size == "auto" else args.tree_size
     for flag, value, least in (("--num-speculative-tokens", args.num_speculative_tokens, 1),
                                ("--draft-top-k", args.draft_top_k, 1),
+                               ("--tree-size", size, 0),
                                ("--ngram-max", args.ngram_max, 1),
                                ("--limit", args.limit, 0),
                                ("--per-category", args.per_category, 0)):
         if value is not None and value < least:  # checked before minutes of loading, not after
             p.error(f"{flag} must be at least {least}, got {value}")
+        if value is not None and value > MOST.get(flag, value):
+            p.error(f"{flag} must be at most {MOST[flag]}, got {value}")
+
+
+def check_writable(p, flag: str, path: str) -> None:
+    """An output file's folder must exist and take files: found now, not after the run."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        p.error(f"{flag} {path}: a folder; give a file name")
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        p.error(f"{flag} {path}: cannot write into {folder}")
 
 
 def tree_size(text: str):
@@ -297,24 +348,28 @@ def main(argv=None):
     try:
         check_heads(args.head, args.methods.split(",") if args.bench else [args.method])
         if args.verify_curve:
-            print(json.dumps(verify_curve(target_config(args))))
-            return
-        if args.bench:
-            report = run_bench(args, bench_decoder, load_target(target_config(args)))
-            if args.json and args.json != "-":
-                with open(args.json, "w") as f:
-                    json.dump(report, f)
-            elif args.json:
-                print(json.dumps(report))
-            return
-        report = run(args)
+            report = verify_curve(target_config(args))
+        elif args.bench:
+            tables = sys.stderr if args.json == "-" else sys.stdout     # stdout: the JSON
+            report = run_bench(args, bench_decoder, load_target(target_config(args)), tables)
+        else:
+            report = run(args)
     except (ValueError, OSError) as e:      # bad input of any kind: LoadError, TokenizerError...
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    if args.json:
+        sys.exit(EXIT_BAD_INPUT)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
+    if args.json == "-" or (args.verify_curve and not args.json):
         print(json.dumps(report))
-        return
-    print(summary(report), file=sys.stderr)
+    elif args.json:
+        with open(args.json + ".tmp", "w") as f:              # whole, or not at all
+            json.dump(report, f)
+        os.replace(args.json + ".tmp", args.json)
+    if not args.bench and not args.verify_curve and args.json != "-":
+        print(summary(report), file=sys.stderr)
+    if report.get("interrupted"):
+        sys.exit(EXIT_INTERRUPTED)
 
 
 def summary(report: dict) -> str:

@@ -165,15 +165,15 @@ def load_tokenizer(folder: str) -> Tokenizer:
     """From tokenizer.json (byte-level BPE), else Llama 3's original/tokenizer.model."""
     hf_path = os.path.join(folder, "tokenizer.json")
     meta_path = os.path.join(folder, "original", "tokenizer.model")
-    config = {}
-    if os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
-        with open(os.path.join(folder, "tokenizer_config.json")) as f:
-            config = json.load(f)
+    config_path = os.path.join(folder, "tokenizer_config.json")
+    config = read_json(config_path) if os.path.isfile(config_path) else {}
     if os.path.isfile(hf_path):
-        with open(hf_path) as f:
-            data = json.load(f)
-        specials = {t["content"]: t["id"] for t in data.get("added_tokens", [])}
-        ranks = ranks_from_hf(data["model"], specials)
+        data = read_json(hf_path)
+        try:
+            specials = {t["content"]: t["id"] for t in data.get("added_tokens", [])}
+            ranks = ranks_from_hf(data["model"], specials)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise TokenizerError(f"{hf_path}: not a Hugging Face tokenizer file (no {e})") from None
         pattern = pattern_from_pre_tokenizer(data.get("pre_tokenizer"))
     elif os.path.isfile(meta_path):
         ranks = {}
@@ -188,6 +188,17 @@ def load_tokenizer(folder: str) -> Tokenizer:
         raise TokenizerError(f"no tokenizer.json or original/tokenizer.model in {folder}")
     enc, vocab_size, digest = build(ranks, specials, pattern, os.path.basename(folder))
     return with_chat_format(enc, vocab_size, specials, config, pattern, digest)
+
+
+def read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: expected a JSON object")
+    return data
 
 
 def with_chat_format(enc, vocab_size, specials, config, pattern, digest) -> Tokenizer:

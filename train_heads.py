@@ -23,6 +23,7 @@ import os
 import random
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, fields
 
@@ -38,7 +39,7 @@ from default_model import default_model_path
 from heads import (HeadConfig, best_paths, build_head, eagle_layer_config, load_head,
                    projection_rows, read_head_config, save_head, write_json)
 from kernels import attention_mask
-from methods import DRAFT_VOCAB, pick_device
+from methods import DRAFT_VOCAB, Parser, pick_device
 from model import KVCache, Llama, LlamaConfig, load_model, to_hf_names
 from proposers import DraftConfig, DraftModelProposer, EagleProposer, MedusaProposer
 from tokenizer import load_tokenizer
@@ -455,7 +456,7 @@ class TrainConfig:
 
 
 def train(head, loss_fn, seqs: list, tc: TrainConfig, out: str) -> dict:
-    """AdamW, linear warm-up and decay; resumes from OUT/checkpoint.pt; -> training record.
+    """AdamW, linear warm-up and decay; resumes from the checkpoint in OUT; -> training record.
 
     loss_fn(list of Seq) -> (loss, [numbers to log]); only parameters that require grad learn."""
     g = torch.Generator().manual_seed(tc.seed)
@@ -466,12 +467,9 @@ def train(head, loss_fn, seqs: list, tc: TrainConfig, out: str) -> dict:
     warm = min(100, total // 10 + 1)
     state = {"step": 0, "seconds": 0.0, "losses": []}
     os.makedirs(out, exist_ok=True)
-    ckpt = os.path.join(out, "checkpoint.pt")
-    if os.path.exists(ckpt):
-        saved = torch.load(ckpt, weights_only=False, map_location=device)
-        head.load_state_dict(saved["head"]), opt.load_state_dict(saved["opt"])
-        state.update(saved["state"])
-        print(f"resumed at step {state['step']} of {total}")
+    if os.path.exists(os.path.join(out, "checkpoint.json")):
+        state.update(load_checkpoint(out, head, opt))
+        print(f"resumed at step {state['step']} of {total}", file=sys.stderr)
     t0, last_save = time.time() - state["seconds"], time.time()
     bar = tqdm(total=total, initial=state["step"], desc="train", unit="step")
     while state["step"] < total:
@@ -494,18 +492,43 @@ def train(head, loss_fn, seqs: list, tc: TrainConfig, out: str) -> dict:
         bar.set_postfix(ce=" ".join(f"{c:.2f}" for c in ces))
         over = tc.minutes and state["seconds"] > tc.minutes * 60
         if over or state["step"] == total or time.time() - last_save > 300:
-            save_checkpoint(ckpt, head, opt, state)
+            save_checkpoint(out, head, opt, state)
             last_save = time.time()
         if over:
-            print(f"time limit: stopped at step {state['step']} of {total}")
+            print(f"time limit: stopped at step {state['step']} of {total}", file=sys.stderr)
             break
     bar.close()
     return state | {"total_steps": total}
 
 
-def save_checkpoint(path, head, opt, state) -> None:
-    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "state": state}, path + ".tmp")
-    os.replace(path + ".tmp", path)
+CHECKPOINT = "checkpoint.safetensors"     # with checkpoint.json beside it
+
+
+def save_checkpoint(out: str, head, opt, state: dict) -> None:
+    """The head's and the optimizer's tensors as safetensors, the rest as JSON: no pickle, so a
+    checkpoint cannot run code when it is loaded. Tensors first, each file atomically."""
+    sd = opt.state_dict()
+    tensors = {f"head.{k}": v.detach().cpu().clone() for k, v in head.state_dict().items()}
+    tensors |= {f"opt.{i}.{k}": v.detach().cpu().clone() for i, s in sd["state"].items()
+                for k, v in s.items()}
+    save_tensors(tensors, os.path.join(out, CHECKPOINT))
+    write_json(os.path.join(out, "checkpoint.json"),
+               {"state": state, "param_groups": sd["param_groups"]})
+
+
+def load_checkpoint(out: str, head, opt) -> dict:
+    """Restores what save_checkpoint wrote into head and opt -> the training state."""
+    tensors = load_file(os.path.join(out, CHECKPOINT))
+    meta = read_json(os.path.join(out, "checkpoint.json"))
+    head.load_state_dict({k.removeprefix("head."): v for k, v in tensors.items()
+                          if k.startswith("head.")})
+    state = {}
+    for k, v in tensors.items():
+        if k.startswith("opt."):
+            _, i, name = k.split(".", 2)
+            state.setdefault(int(i), {})[name] = v
+    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    return meta["state"]
 
 
 # ---------------------------------------------------------------- measuring the result
@@ -572,8 +595,7 @@ def layer_list(text: str) -> tuple:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for add in (data_flags, shape_flags, optimizer_flags):
         add(p)
     args = p.parse_args(argv)
@@ -688,7 +710,20 @@ def default_features_dir(args) -> str:
 
 
 def main(argv=None):
+    """The command line: bad input is one `error:` line and exit code 2, Ctrl-C one line and
+    130 (what a run finished stays: feature shards and checkpoints are whole files)."""
     args = parse_args(argv)
+    try:
+        train_command(args)
+    except (ValueError, OSError) as e:       # bad data, a missing file, a head that does not fit
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)                          # spec.py's code for bad input too
+    except KeyboardInterrupt:
+        print("\ninterrupted: rerun the same command to resume", file=sys.stderr)
+        sys.exit(130)
+
+
+def train_command(args) -> None:
     if args.init and args.method == "draft":
         raise ValueError("--init continues an EAGLE or Medusa head; it does not apply to --method draft")
     if args.taps and args.method != "eagle":
@@ -703,15 +738,18 @@ def main(argv=None):
                              f"{args.method} trains {args.method} heads")
         if not args.taps and args.method == "eagle":                     # the head's own taps
             args.taps = tuple(init.taps)
-    model_path = args.model or default_model_path(args.cache_dir)
-    features = args.features or default_features_dir(args)
-    tokenizer = load_tokenizer(model_path)
-    if args.stage in ("features", "all"):
-        if "," in features:
-            raise ValueError(f"--features {features}: the features stage writes one folder")
+    check_out(args.out)
+    extracting = args.stage in ("features", "all")
+    if extracting:               # the data first: a bad line is named before any loading
         rows = read_conversations(args.data, args.sources)
         rows = templated_prompts(rows, args.template, args.seed) if args.template else rows
         rows = rows[:args.limit] if args.limit else rows
+    model_path = args.model or default_model_path(args.cache_dir)
+    features = args.features or default_features_dir(args)
+    tokenizer = load_tokenizer(model_path)
+    if extracting:
+        if "," in features:
+            raise ValueError(f"--features {features}: the features stage writes one folder")
         target = load_model(model_path, torch.bfloat16, args.device)
         extract_features(target, tokenizer, rows, features, args.batch, args.max_new_tokens,
                          args.max_prompt_tokens)
@@ -719,6 +757,20 @@ def main(argv=None):
             add_taps(target, features, args.taps, args.batch)
     if args.stage in ("train", "all"):
         train_and_save(args, model_path, features, tokenizer)
+
+
+def check_out(out: str) -> None:
+    """--out must take files: found now, not after an hour of feature extraction."""
+    made = not os.path.exists(out)
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, ".write-test")
+        open(probe, "w").close()
+        os.remove(probe)
+        if made:
+            os.rmdir(out)                     # made again when there is something to write
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot write there ({e.strerror})") from None
 
 
 def train_and_save(args, model_path: str, features: str, tokenizer) -> None:
@@ -781,9 +833,9 @@ def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) 
 def new_head(args, target, train_seqs: list, stop_ids) -> tuple:
     """-> (head, HeadConfig): residual blocks that start as the identity (Medusa) or a fresh
     EAGLE layer, over the draft vocabulary of these sequences (or of the run being resumed)."""
-    ckpt = os.path.join(args.out, "checkpoint.pt")
+    ckpt = os.path.join(args.out, CHECKPOINT)
     if os.path.exists(ckpt):                 # resuming: the vocabulary the run started with
-        vocab = torch.load(ckpt, weights_only=False, map_location="cpu")["head"]["vocab_ids"]
+        vocab = load_file(ckpt)["head.vocab_ids"]
     else:
         vocab = draft_vocabulary(train_seqs, args.draft_vocab, stop_ids)
     c = target.config
@@ -936,7 +988,4 @@ def git_commit() -> str:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError) as e:       # bad data, a missing file, a head that does not fit
-        raise SystemExit(f"error: {e}")
+    main()
