@@ -90,6 +90,20 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def parse_flags(argv, doc: str, groups, check):
+    """Flags added by each of groups, checked by check(parser, args), --device resolved."""
+    p = Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for add in groups:
+        add(p)
+    args = p.parse_args(argv)
+    check(p, args)
+    try:
+        args.device = pick_device(args.device)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
 def pick_device(name: str | None) -> str:
     """The device named, checked to exist here (ValueError), or the best available."""
     if name:
@@ -205,8 +219,7 @@ def build_draft(mc: MethodConfig, path: str, target, tokenizer, slots: int, cach
         draft = compiled(draft)
     vocab = load_draft_vocab(name, target.config.vocab_size)
     proj = None if vocab is None else draft_projection(mc, target, vocab)
-    config = DraftConfig(mc.depth, mc.top_k, 0 if mc.tree_size == "auto" else mc.tree_size)
-    proposer = DraftModelProposer(draft, config, slots, vocab, proj)
+    proposer = DraftModelProposer(draft, mc.depth, slots, vocab, proj)
     extra = sum(t.numel() * t.element_size() for t in [*draft.parameters(), *draft.buffers()]
                 if id(t) not in own) + module_bytes(proposer.proj)
     if vocab is not None:

@@ -96,21 +96,25 @@ def node_mask(tree: Tree, frontier: torch.Tensor, node_slot: torch.Tensor, root_
 
 
 class DraftModelProposer:
-    """A smaller Llama with the same tokenizer drafts a chain, or an EAGLE-2-style tree.
+    """A smaller Llama with the same tokenizer drafts a chain of `depth` tokens (Leviathan et al.):
+    its own greedy tokens, or, when sampling, draws from its own distributions q, which
+    Leviathan's rule then verifies.
 
     Its KV cache holds the committed tokens; tokens the target accepted that the draft never fed
-    itself wait in `pending` and go in with the next proposal."""
+    itself (the last of a chain accepted whole) wait in `pending` and go in with the next
+    proposal."""
 
-    def __init__(self, model: Llama, config: DraftConfig, slots: int, vocab_ids=None, proj=None):
-        """slots: the draft cache's size; it holds the committed tokens plus at most
-        1 + (depth - 1) * top_k tree nodes fed during one proposal. vocab_ids (R,): greedy
-        drafts choose among these target ids only, projecting onto R of the lm_head's V rows
-        (on a small draft the projection is most of a forward's cost) with `proj` (a module
+    def __init__(self, model: Llama, depth: int, slots: int, vocab_ids=None, proj=None):
+        """slots: the draft cache's size (the committed tokens plus a chain). vocab_ids (R,):
+        greedy drafts choose among these target ids only, projecting onto R of the lm_head's V
+        rows (on a small draft the projection is most of a forward's cost) with `proj` (a module
         C -> R; default heads.projection of the draft); None: all V. A sampled chain always
         draws from the whole distribution."""
-        self.model, self.config, self.slots = model, config, slots
+        if depth < 1:
+            raise ValueError(f"a draft chain needs at least 1 token, got {depth}")
+        self.model, self.depth, self.slots = model, depth, slots
         self.device = model.embed.weight.device
-        self.max_nodes = config.total + 1            # verified nodes per step, root included
+        self.max_nodes = depth + 1                   # verified nodes per step, root included
         self.taps = ()                               # reads no target features
         self.vocab_ids = None if vocab_ids is None else vocab_ids.cpu()
         self.proj = None
@@ -118,83 +122,45 @@ class DraftModelProposer:
             self.proj = proj if proj is not None else projection(model, vocab_ids)   # C -> R
         self.cache = None            # made by start: the committed tokens' keys and values
         self.pending = []            # accepted tokens the draft has not fed itself yet
-        self.base = self.root_slot = 0
-        self.node_slot = None        # (nodes,) each tree node's cache slot, -1 if not fed
-
-    def logits(self, ids, pos, mask=None, full=False, last_only=False) -> torch.Tensor:
-        """Feed (1, T) tokens into the draft's cache -> (T, V) logits (last_only: (1, V)), or
-        over the reduced vocabulary (T or 1, R) where there is one, unless full."""
-        if self.vocab_ids is None or full:
-            return self.model(ids, pos, self.cache, mask, last_only)[0][0]
-        _, hidden = self.model(ids, pos, self.cache, mask, project=False)    # (1, T, C)
-        return self.proj(hidden[0, -1:] if last_only else hidden[0])
+        self.base = 0                # cache length when the proposal began
 
     def start(self, prompt_ids: list, hidden=None) -> None:
         self.cache = self.model.new_cache(1, self.slots)
         self.pending = list(prompt_ids)
 
-    def feed_pending(self, root: int, full=False) -> torch.Tensor:
-        """Feed pending tokens and the root causally; (V,) or (R,) logits after the root."""
+    def next_logits(self, ids: list, full: bool) -> torch.Tensor:
+        """Feed ids causally into the draft's cache -> the last one's (V,) logits, or (R,) over
+        the reduced vocabulary where there is one, unless full."""
         start = self.cache.length
-        ids = torch.tensor([self.pending + [root]], device=self.device)      # (1, P + 1)
-        pos = torch.arange(start, start + ids.shape[1], device=self.device)[None]
-        logits = self.logits(ids, pos, full=full, last_only=True)[0]
-        self.base, self.root_slot = start, self.cache.length - 1
-        return logits
+        tokens = torch.tensor([ids], device=self.device)                       # (1, T)
+        pos = torch.arange(start, start + len(ids), device=self.device)[None]
+        if self.vocab_ids is None or full:
+            return self.model(tokens, pos, self.cache, last_only=True)[0][0, -1]
+        _, hidden = self.model(tokens, pos, self.cache, project=False)         # (1, T, C)
+        return self.proj(hidden[0, -1:])[0]
 
     def propose(self, root: int, gen, generator) -> tuple:
-        c = self.config
-        if gen.temperature > 0 and c.top_k == 1:
-            return self.sampled_chain(root, gen, generator)
-        first = torch.log_softmax(self.feed_pending(root).float(), -1)
-        # node index -> draft cache slot, -1 for nodes never fed (leaves of the last round).
-        self.node_slot = torch.full((c.grown_nodes,), -1, dtype=torch.long)
-        self.node_slot[0] = self.root_slot
-
-        def expand(frontier, tree):
-            if tree.size == 1:
-                return first[None]
-            return self.feed_nodes(frontier, tree)
-
-        tree, kept = grow_tree(expand, root, c.depth, c.top_k, c.total, self.vocab_ids)
-        self.node_slot = self.node_slot[kept]
-        return tree, None
-
-    def feed_nodes(self, frontier: torch.Tensor, tree: Tree) -> torch.Tensor:
-        """Feed tree nodes into the draft cache, each seeing its own ancestors; (F, V) or (F, R)
-        log-probs."""
-        F, length = frontier.shape[0], self.cache.length
-        mask = node_mask(tree, frontier, self.node_slot, self.root_slot, length)
-        ids = tree.tokens[frontier][None].to(self.device)                   # (1, F)
-        pos = (self.root_slot + tree.depths[frontier])[None].to(self.device)
-        logits = self.logits(ids, pos, mask.to(self.device))
-        self.node_slot[frontier] = torch.arange(length, length + F)
-        return torch.log_softmax(logits.float(), -1)
-
-    def sampled_chain(self, root: int, gen, generator) -> tuple:
-        """Draw K tokens from the draft's own q (same temperature and top-p as the target)."""
-        logits = self.feed_pending(root, full=True)
-        tokens, qs = [], []
-        for i in range(self.config.depth):
-            q = target_probs(logits, gen.temperature, gen.top_p)             # (V,)
-            tokens.append(int(sample(q, generator)))
-            qs.append(q)
-            if i + 1 < self.config.depth:
-                pos = torch.tensor([[self.cache.length]], device=self.device)
-                ids = torch.tensor([[tokens[-1]]], device=self.device)
-                logits = self.logits(ids, pos, full=True)[-1]
-        K = self.config.depth
-        self.node_slot = torch.cat([torch.arange(self.root_slot, self.root_slot + K),
-                                    torch.tensor([-1])])
-        return chain(root, tokens), torch.stack(qs)                         # q (K, V)
+        sampled = gen.temperature > 0
+        self.base = self.cache.length
+        ids, tokens, qs = self.pending + [root], [], []
+        for _ in range(self.depth):                  # feeds all but the last drafted token
+            logits = self.next_logits(ids, full=sampled)
+            if sampled:
+                qs.append(target_probs(logits, gen.temperature, gen.top_p))        # (V,)
+                token = int(sample(qs[-1], generator))
+            else:
+                best = int(logits.argmax())
+                token = best if self.vocab_ids is None else int(self.vocab_ids[best])
+            tokens.append(token)
+            ids = [token]
+        return chain(root, tokens), torch.stack(qs) if sampled else None      # q (K, V)
 
     def commit(self, tree: Tree, accepted: torch.Tensor, hidden=None) -> None:
-        """Keep the accepted nodes the draft fed; the others become pending."""
-        slots = self.node_slot[accepted.cpu()]
-        n_fed = int((slots >= 0).sum())              # fed nodes form a prefix of the path
-        keep = torch.cat([torch.arange(len(self.pending)), slots[:n_fed] - self.base])
-        self.cache.keep(self.base, keep)
-        self.pending = tree.tokens[accepted[n_fed:].cpu()].tolist()
+        """Keep the pending tokens, the root and the accepted drafts the draft fed; a chain
+        accepted whole leaves its last token pending."""
+        fed = min(len(accepted), self.depth)         # the root and up to depth - 1 drafts
+        self.cache.keep(self.base, torch.arange(len(self.pending) + fed))
+        self.pending = tree.tokens[accepted[fed:].cpu()].tolist()
 
 
 class PromptLookupProposer:

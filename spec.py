@@ -14,9 +14,9 @@ import sys
 
 from bench import COMPILED, run_bench, verify_curve
 from decode import GenConfig, acceptance_by_position, check_room, generate_ar, generate_spec
-from methods import (METHODS, RANDOM, SHAPES, TREE_DEFAULTS, Parser, TargetConfig,
-                     build_proposer, check_heads, describe, load_target, method_config,
-                     pick_device, room)
+from methods import (HEAD_KIND, METHODS, RANDOM, SHAPES, TREE_DEFAULTS, MethodConfig,
+                     TargetConfig, build_proposer, check_heads, describe, load_target,
+                     method_config, parse_flags, room)
 from quantize import compiled
 from tree import render_tree
 
@@ -35,8 +35,9 @@ def target_config(args) -> TargetConfig:
 def method_of(args, method: str, compile: bool | None = None):
     """The methods.MethodConfig the flags give `method`; its defaults where a flag is unset."""
     return method_config(method, args.num_speculative_tokens, args.draft_top_k, args.tree_size,
-                         ngram_max=args.ngram_max, draft=args.draft, heads=tuple(args.head),
-                         draft_int8=args.draft_int8, show_tree=args.show_tree,
+                         ngram_max=args.ngram_max or MethodConfig.ngram_max, draft=args.draft,
+                         heads=tuple(args.head), draft_int8=args.draft_int8,
+                         show_tree=args.show_tree,
                          compile=args.compile if compile is None else compile)
 
 
@@ -129,16 +130,8 @@ class Streamer:
 # ---------------------------------------------------------------- flags
 
 def parse_args(argv=None):
-    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for add in (decoding_flags, model_flags, draft_flags, bench_flags):
-        add(p)
-    args = p.parse_args(argv)
-    check_flags(p, args)
-    try:
-        args.device = pick_device(args.device)
-    except ValueError as e:
-        p.error(str(e))
-    return args
+    return parse_flags(argv, __doc__, (decoding_flags, model_flags, draft_flags, bench_flags),
+                       check_flags)
 
 
 def decoding_flags(p) -> None:
@@ -215,19 +208,19 @@ def draft_flags(p) -> None:
                    help="draft depth: tokens proposed along each path per step (default per "
                         "method: " + ", ".join(f"{m} {d[0]}" for m, d in TREE_DEFAULTS.items()) + ")")
     p.add_argument("--draft-top-k", type=int,
-                   help="children per expanded draft node; 1 drafts a chain, more a tree "
-                        "(default: eagle2 " + str(TREE_DEFAULTS["eagle2"][1]) + ", others 1)")
+                   help="eagle2, eagle2+ngram: children per expanded draft node (default " +
+                        str(TREE_DEFAULTS["eagle2"][1]) + ")")
     p.add_argument("--tree-size", type=tree_size,
-                   help="draft nodes verified per step (0: depth x top-k; auto: the size with "
-                        "the most expected tokens/s on this machine, from the head's measured "
-                        "accuracy and the measured verify cost, for medusa, eagle, eagle2 and "
-                        "eagle2+ngram (its lookup chain priced into every verify); for eagle2 "
+                   help="medusa, eagle, eagle2, eagle2+ngram: draft nodes verified per step "
+                        "(0: depth x top-k; auto: the size with the most expected tokens/s on "
+                        "this machine, from the head's measured accuracy and the measured verify "
+                        "cost, eagle2+ngram's lookup chain priced into every verify; for eagle2 "
                         "auto then chooses again at every step from the draft's own "
-                        "probabilities, and stops drafting rounds that cannot pay; "
-                        "default: " +
-                        ", ".join(f"{m} {d[2]}" for m, d in TREE_DEFAULTS.items()) + ")")
-    p.add_argument("--ngram-max", type=int, default=3,
-                   help="prompt lookup: longest n-gram matched against the context")
+                        "probabilities, and stops drafting rounds that cannot pay; default: "
+                        "auto)")
+    p.add_argument("--ngram-max", type=int,
+                   help="prompt lookup: longest n-gram matched against the context (default: "
+                        f"{MethodConfig.ngram_max})")
 
 
 def bench_flags(p) -> None:
@@ -296,6 +289,16 @@ def check_together(p, args) -> None:
         need.append("several --temperature values")
     if need:
         p.error(f"{', '.join(need)} only with --bench")
+    method = args.method or "ar"
+    for flag, value, methods in (("--num-speculative-tokens", args.num_speculative_tokens,
+                                  METHODS[1:]),
+                                 ("--draft-top-k", args.draft_top_k, ["eagle2", "eagle2+ngram"]),
+                                 ("--tree-size", args.tree_size, list(HEAD_KIND)),
+                                 ("--ngram-max", args.ngram_max, ["ngram", "eagle2+ngram"]),
+                                 ("--draft", args.draft, ["draft"])):
+        if value is not None and method not in methods:     # else silently without effect
+            p.error(f"{flag} does not apply to --method {method}; it shapes "
+                    f"{', '.join(methods)}")
 
 
 # most a draft may propose (a deeper draft is never accepted whole at the accuracies measured;

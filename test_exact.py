@@ -257,11 +257,11 @@ def run_all(get, method, flags, prompt, max_new, result=False):
 
 
 # float32 decodes at a third of the default's speed, and its kernels are row-invariant by test
-# (test_each_linear_form_gives_a_row_the_same_bits_in_any_call): three prompts of 40 tokens
+# (test_each_linear_form_gives_a_row_the_same_bits_in_any_call): two prompts of 32 tokens
 # keep the suite short; SPEC_FLOAT32_TOKENS=128 SPEC_FLOAT32_PROMPTS=8 run it as the default
 # runs (passed at c96ef1f: 245 s).
-FLOAT32_TOKENS = int(os.environ.get("SPEC_FLOAT32_TOKENS", "40"))
-FLOAT32_PROMPTS = int(os.environ.get("SPEC_FLOAT32_PROMPTS", "3"))
+FLOAT32_TOKENS = int(os.environ.get("SPEC_FLOAT32_TOKENS", "32"))
+FLOAT32_PROMPTS = int(os.environ.get("SPEC_FLOAT32_PROMPTS", "2"))
 
 
 @pytest.mark.slow
@@ -293,7 +293,7 @@ SAMPLED = ["ngram", "medusa", "eagle", "eagle2", "eagle2+ngram"]   # drafts are 
 def test_seeded_sampling_gives_plain_samplings_text_whatever_the_tree(runs):
     """At temperature 0.8 the target's token at position t is drawn from p at uniform(seed, t):
     every method whose drafts are deterministic gives plain sampling's very text, with the tree
-    size forced to several values, and so does a draft model drafting greedy trees."""
+    size forced to several values."""
     flags = ("--temperature", "0.8", "--seed", "3")
     for prompt in PROMPTS[:2]:
         plain = run_all(runs, "ar", flags, prompt, 64)
@@ -303,8 +303,6 @@ def test_seeded_sampling_gives_plain_samplings_text_whatever_the_tree(runs):
             for size in sizes:
                 got = run_all(runs, method, flags + size, prompt, 64)
                 assert got == plain, f"{method} {size}: {prompt!r}"
-        tree_draft = ("--num-speculative-tokens", "3", "--draft-top-k", "2", "--tree-size", "4")
-        assert run_all(runs, "draft", flags + tree_draft, prompt, 64) == plain, prompt
 
 
 @pytest.mark.slow

@@ -573,7 +573,7 @@ def test_draft_over_a_reduced_vocabulary_drafts_its_best_token_and_stays_lossles
     V = target.config.vocab_size
     vocab = torch.randperm(V, generator=torch.Generator().manual_seed(1))[:V // 3].sort().values
     prompt, root = [5, 9, 3], 11
-    chain_of = DraftModelProposer(draft, DraftConfig(4), 256, vocab)
+    chain_of = DraftModelProposer(draft, 4, 256, vocab)
     chain_of.start(prompt)
     tree, q = chain_of.propose(root, GenConfig(8), None)
     ids = prompt + [root]                    # oracle: full forwards, argmax over the kept rows
@@ -581,11 +581,11 @@ def test_draft_over_a_reduced_vocabulary_drafts_its_best_token_and_stays_lossles
         logits = draft(torch.tensor([ids]), torch.arange(len(ids))[None], draft.new_cache(1, 32))[0]
         ids.append(int(vocab[logits[0, -1, vocab].argmax()]))
     assert q is None and tree.tokens.tolist() == ids[len(prompt):]
-    for config in (DraftConfig(4), DraftConfig(3, top_k=2, total=6)):
-        proposer = DraftModelProposer(draft, config, 256, vocab)
+    for depth in (4, 2):
+        proposer = DraftModelProposer(draft, depth, 256, vocab)
         out = generate_spec(target, proposer, prompt, GenConfig(24))
         assert out.token_ids == generate_ar(target, prompt, GenConfig(24)).token_ids
-    sampled = DraftModelProposer(draft, DraftConfig(3), 256, vocab)    # draws from all V
+    sampled = DraftModelProposer(draft, 3, 256, vocab)    # draws from all V
     sampled.start(prompt)
     _, q = sampled.propose(root, GenConfig(8, temperature=1.0), torch.Generator().manual_seed(0))
     assert q.shape == (3, V)
@@ -701,7 +701,7 @@ def test_distilled_draft_trains_and_saves_a_folder_transformers_loads(tmp_path):
         assert torch.allclose(got, hf(ids).logits, atol=1e-6), "transformers reads another model"
     assert torch.allclose(got, want, atol=1e-6), "the saved draft is not the trained one"
     target = target.double()
-    prop = DraftModelProposer(ours, DraftConfig(3), 256)
+    prop = DraftModelProposer(ours, 3, 256)
     assert (generate_spec(target, prop, [5, 9, 3], GenConfig(20)).token_ids ==
             generate_ar(target, [5, 9, 3], GenConfig(20)).token_ids)
 
@@ -952,8 +952,7 @@ def test_no_method_decodes_past_the_context(temperature):
     target = tiny_model(7, max_positions=64)
     draft = tiny_model(8, num_layers=1)
     gen = GenConfig(max_new_tokens=40, temperature=temperature, seed=3)
-    makers = {"draft chain": lambda: DraftModelProposer(draft, DraftConfig(4), 256),
-              "draft tree": lambda: DraftModelProposer(draft, DraftConfig(3, 2, 5), 256),
+    makers = {"draft chain": lambda: DraftModelProposer(draft, 4, 256),
               "lookup": lambda: PromptLookupProposer(4),
               "eagle2": lambda: EagleProposer(target, random_eagle(target), DraftConfig(4, 3, 8),
                                               256),

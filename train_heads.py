@@ -39,7 +39,7 @@ from default_model import default_model_path
 from heads import (HeadConfig, best_paths, build_head, eagle_layer_config, load_head,
                    projection_rows, read_head_config, save_head, write_json)
 from kernels import attention_mask
-from methods import DRAFT_VOCAB, Parser, pick_device
+from methods import DRAFT_VOCAB, parse_flags
 from model import KVCache, Llama, LlamaConfig, load_model, to_hf_names
 from proposers import DraftConfig, DraftModelProposer, EagleProposer, MedusaProposer
 from tokenizer import load_tokenizer
@@ -595,16 +595,7 @@ def layer_list(text: str) -> tuple:
 
 
 def parse_args(argv=None):
-    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for add in (data_flags, shape_flags, optimizer_flags):
-        add(p)
-    args = p.parse_args(argv)
-    check_ranges(p, args)
-    try:
-        args.device = pick_device(args.device)
-    except ValueError as e:
-        p.error(str(e))
-    return args
+    return parse_flags(argv, __doc__, (data_flags, shape_flags, optimizer_flags), check_ranges)
 
 
 def data_flags(p) -> None:
@@ -938,7 +929,7 @@ def train_draft(args, tc, target, model_path, train_seqs, held, tokenizer, info)
     seqs = held[:args.tau_prompts]
 
     def chain_tau(depth: int) -> float:
-        proposer = DraftModelProposer(draft, DraftConfig(depth), 512, vocab)
+        proposer = DraftModelProposer(draft, depth, 512, vocab)
         return round(measure_tau(target, proposer, seqs, 64, tokenizer.stop_ids), 3)
     tau = {f"chain_{d}": chain_tau(d) for d in (3, 5)} if seqs else {}   # {}: not measured
     info = info | record_fields(record) | {"held_out_top1_agreement": round(sum(agree) / len(agree), 4),
