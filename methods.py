@@ -342,7 +342,7 @@ def describe(mc: MethodConfig, info: dict) -> str:
                             "full match)",
             "ngram": f"chain of <= {mc.depth}, by match", "eagle2": f"{shape}, {nodes}",
             "medusa": f"{size}-node tree", "eagle": f"{size}-node tree"}.get(
-        mc.method, f"chain of {mc.depth}" if mc.top_k == 1 else f"{shape}, {size} nodes")
+        mc.method, f"chain of {mc.depth}")
 
 
 # ---------------------------------------------------------------- the distilled draft's folder
@@ -394,6 +394,10 @@ def draft_folder(folder: str, target_folder: str, cache: str) -> str:
     tied = config.get("tie_word_embeddings", False)
     names = ["model.embed_tokens.weight"] + ([] if tied else ["lm_head.weight"])
     with safe_open(target_files[0], framework="pt") as f:
+        missing = [n for n in names if n not in f.keys()]
+        if missing:                         # an untied draft of a tied target, say
+            raise LoadError(f"{folder}: its embeddings come from the target, whose "
+                            f"{target_files[0]} has no {', '.join(missing)}")
         shared = {n: f.get_tensor(n).bfloat16() for n in names}
     tensors = load_file(weights) | shared
     tmp = out + ".tmp"

@@ -16,7 +16,8 @@ from tree import Tree, add_chain, ancestor_mask, best_nodes, chain, grow_tree
 
 class Proposer(Protocol):
     """What decode.generate_spec needs of a way of drafting."""
-    max_nodes: int       # most tree nodes one proposal verifies, root included (cache room)
+    max_nodes: int       # most tree nodes one proposal verifies, root included (cache room;
+                         # also bounds how far past the root it looks: no deeper than this)
     taps: tuple          # target layers whose outputs it reads beside the final feature
 
     def start(self, prompt_ids: list, hidden: torch.Tensor | None) -> None:
@@ -223,7 +224,9 @@ class EagleProposer:
         self.slots, self.device = slots, target.embed.weight.device
         self.proj = proj if proj is not None else projection(target, head.vocab_ids)
         self.vocab_ids = head.vocab_ids.cpu()
-        self.max_nodes = (static.parents.shape[0] if static is not None else config.total + 1)
+        # EAGLE-2 feeds `depth` rounds before it keeps `total` nodes: room for the deeper
+        self.max_nodes = (static.parents.shape[0] if static is not None else
+                          max(config.total, config.depth) + 1)
         self.taps = head.taps                   # target layers whose outputs the head reads
         self.cache = None                       # made by start: the head's own KV cache
         self.pending_feats, self.pending_tokens = None, []   # accepted, not yet fed to the head

@@ -290,6 +290,10 @@ def check_together(p, args) -> None:
     if need:
         p.error(f"{', '.join(need)} only with --bench")
     method = args.method or "ar"
+    if args.verify_curve and (args.bench or args.method):
+        p.error("--verify-curve times the target alone: not with --bench or --method")
+    if args.show_tree and method == "ar":
+        p.error("--show-tree draws the draft trees of a speculative --method; ar has none")
     for flag, value, methods in (("--num-speculative-tokens", args.num_speculative_tokens,
                                   METHODS[1:]),
                                  ("--draft-top-k", args.draft_top_k, ["eagle2", "eagle2+ngram"]),
@@ -357,18 +361,18 @@ def main(argv=None):
             report = run_bench(args, bench_decoder, load_target(target_config(args)), tables)
         else:
             report = run(args)
+        if args.json == "-" or (args.verify_curve and not args.json):
+            print(json.dumps(report))
+        elif args.json:
+            with open(args.json + ".tmp", "w") as f:          # whole, or not at all
+                json.dump(report, f)
+            os.replace(args.json + ".tmp", args.json)
     except (ValueError, OSError) as e:      # bad input of any kind: LoadError, TokenizerError...
         print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
-    if args.json == "-" or (args.verify_curve and not args.json):
-        print(json.dumps(report))
-    elif args.json:
-        with open(args.json + ".tmp", "w") as f:              # whole, or not at all
-            json.dump(report, f)
-        os.replace(args.json + ".tmp", args.json)
     if not args.bench and not args.verify_curve and args.json != "-":
         print(summary(report), file=sys.stderr)
     if report.get("interrupted"):

@@ -63,6 +63,8 @@ SPEC_CASES = [
     (["--tree-size", "4"], "--tree-size does not apply to --method ar"),
     (["--method", "eagle2", "--draft", "d"], "--draft does not apply to --method eagle2"),
     (["--num-speculative-tokens", "3"], "--num-speculative-tokens does not apply to --method ar"),
+    (["--show-tree"], "--show-tree draws the draft trees of a speculative --method"),
+    (["--verify-curve", "--method", "eagle2"], "--verify-curve times the target alone"),
     (["--device", "nosuchdevice"], "--device nosuchdevice is not available here"),
     (["--model", "random:smollm2-135m"], "--model random:SHAPE only with --verify-curve"),
     (["--model", "random:nosuch", "--verify-curve"], "unknown model shape 'nosuch'"),
@@ -213,8 +215,8 @@ def test_a_killed_conversion_leaves_no_work_folder_behind(tmp_path):
         folder.mkdir()
         (folder / "partial.gguf").write_bytes(b"x")
     gone = time.time() - STALE_SECONDS - 60
-    os.utime(old, (gone, gone))
-    os.utime(other, (gone, gone))
+    for path in (old / "partial.gguf", old, new, other / "partial.gguf", other):
+        os.utime(path, (gone, gone))      # new's download still grows its file
     remove_stale_work(str(tmp_path))
     assert not old.exists(), "a conversion killed midway is cleaned up at the next start"
     assert new.exists() and other.exists(), "one running now, and other folders, are left alone"

@@ -956,6 +956,8 @@ def test_no_method_decodes_past_the_context(temperature):
               "lookup": lambda: PromptLookupProposer(4),
               "eagle2": lambda: EagleProposer(target, random_eagle(target), DraftConfig(4, 3, 8),
                                               256),
+              "eagle2, deeper than kept": lambda: EagleProposer(
+                  target, random_eagle(target), DraftConfig(8, 1, 1), 256),
               "medusa": lambda: MedusaProposer(target, random_medusa(target), static_tree(PATHS))}
     for n in (50, 58, 61, 63):
         prompt = [(7 * i) % 50 + 1 for i in range(n)]            # repeats: lookup drafts
@@ -989,7 +991,10 @@ def test_a_checkpoint_restores_head_and_optimizer_without_pickle(tmp_path):
     stepped(model, opt, x), stepped(again, again_opt, x)    # the moments came back too
     for a, b in zip(model.state_dict().values(), again.state_dict().values()):
         assert torch.equal(a, b)
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint.json", "checkpoint.safetensors"]
+    assert os.listdir(tmp_path) == ["checkpoint.safetensors"]
+    (tmp_path / "checkpoint.safetensors").write_bytes(b"cut")
+    with pytest.raises(ValueError, match="checkpoint.safetensors: not a checkpoint of this run"):
+        th.load_checkpoint(str(tmp_path), again, again_opt)
 
 
 def test_no_source_file_unpickles():

@@ -28,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm import tqdm
@@ -467,7 +467,10 @@ def train(head, loss_fn, seqs: list, tc: TrainConfig, out: str) -> dict:
     warm = min(100, total // 10 + 1)
     state = {"step": 0, "seconds": 0.0, "losses": []}
     os.makedirs(out, exist_ok=True)
-    if os.path.exists(os.path.join(out, "checkpoint.json")):
+    if os.path.exists(os.path.join(out, "checkpoint.pt")):       # pickled, by older code
+        raise ValueError(f"{out}/checkpoint.pt: a checkpoint of an older version, which this one "
+                         "does not unpickle; delete it to train again from the start")
+    if os.path.exists(os.path.join(out, CHECKPOINT)):
         state.update(load_checkpoint(out, head, opt))
         print(f"resumed at step {state['step']} of {total}", file=sys.stderr)
     t0, last_save = time.time() - state["seconds"], time.time()
@@ -501,33 +504,39 @@ def train(head, loss_fn, seqs: list, tc: TrainConfig, out: str) -> dict:
     return state | {"total_steps": total}
 
 
-CHECKPOINT = "checkpoint.safetensors"     # with checkpoint.json beside it
+CHECKPOINT = "checkpoint.safetensors"
 
 
 def save_checkpoint(out: str, head, opt, state: dict) -> None:
-    """The head's and the optimizer's tensors as safetensors, the rest as JSON: no pickle, so a
-    checkpoint cannot run code when it is loaded. Tensors first, each file atomically."""
+    """The head's and the optimizer's tensors, and as JSON metadata the training state, in one
+    safetensors file written atomically: no pickle, so loading it cannot run code."""
     sd = opt.state_dict()
     tensors = {f"head.{k}": v.detach().cpu().clone() for k, v in head.state_dict().items()}
     tensors |= {f"opt.{i}.{k}": v.detach().cpu().clone() for i, s in sd["state"].items()
                 for k, v in s.items()}
-    save_tensors(tensors, os.path.join(out, CHECKPOINT))
-    write_json(os.path.join(out, "checkpoint.json"),
-               {"state": state, "param_groups": sd["param_groups"]})
+    meta = {"state": json.dumps(state), "param_groups": json.dumps(sd["param_groups"])}
+    save_file(tensors, os.path.join(out, CHECKPOINT) + ".tmp", metadata=meta)
+    os.replace(os.path.join(out, CHECKPOINT) + ".tmp", os.path.join(out, CHECKPOINT))
 
 
 def load_checkpoint(out: str, head, opt) -> dict:
     """Restores what save_checkpoint wrote into head and opt -> the training state."""
-    tensors = load_file(os.path.join(out, CHECKPOINT))
-    meta = read_json(os.path.join(out, "checkpoint.json"))
-    head.load_state_dict({k.removeprefix("head."): v for k, v in tensors.items()
-                          if k.startswith("head.")})
-    state = {}
-    for k, v in tensors.items():
-        if k.startswith("opt."):
-            _, i, name = k.split(".", 2)
-            state.setdefault(int(i), {})[name] = v
-    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    path = os.path.join(out, CHECKPOINT)
+    try:
+        with safe_open(path, "pt") as f:
+            meta = {k: json.loads(v) for k, v in f.metadata().items()}
+        tensors = load_file(path)
+        head.load_state_dict({k.removeprefix("head."): v for k, v in tensors.items()
+                              if k.startswith("head.")})
+        state = {}
+        for k, v in tensors.items():
+            if k.startswith("opt."):
+                _, i, name = k.split(".", 2)
+                state.setdefault(int(i), {})[name] = v
+        opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    except (SafetensorError, KeyError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{path}: not a checkpoint of this run ({e}); delete it to start "
+                         "again") from None
     return meta["state"]
 
 
