@@ -70,7 +70,7 @@ class MethodConfig:
     heads: tuple = ()              # trained head folders; none: the heads shipped
     draft_int8: bool = True        # drafts run int8 weights where the kernel applies
     compile: bool = False          # torch.compile the decoder blocks (trees padded)
-    show_tree: bool = False        # print the prices --tree-size auto chose from
+    verbose: bool = False          # print the prices --tree-size auto chose from
 
 
 def method_config(method: str, depth=None, top_k=None, tree_size=None, **options) -> MethodConfig:
@@ -444,7 +444,7 @@ def auto_tree_size(mc: MethodConfig, target, tokenizer, accuracy, make, extra: i
         most = per_step_most(mc.depth, mc.top_k)
         rule = SizeRule([verify_cost(costs, k) for k in range(most + extra + 2)],
                         rate=speed[size] / 1000, round_ms=draft_ms / mc.depth)
-    if mc.show_tree:                                # how the trees drawn were sized
+    if mc.verbose:                                  # how the trees were sized
         print(size_table(mc.method, size, draft_ms, mc.depth, extra, drafting, verify_ms,
                          expected, speed, rule), file=sys.stderr)
     return size, rule
@@ -490,16 +490,33 @@ def draft_time(proposer, target, tokenizer) -> float:
     return statistics.median(result.draft_seconds) * 1000
 
 
-def verify_costs(model) -> dict:
+NOISY = 1.5          # repeats of one size further apart than this: a burst of load
+
+
+def verify_costs(model, tries: int = 3) -> dict:
     """{k: ms} of a target forward over k tokens, measured now, on this machine as it is: they
     choose tree sizes only (with kernels that give a row the same bits in any call, no timing
-    changes a token), so a busy moment costs speed, never a different text."""
-    return forward_costs(model, COST_SIZES, repeats=3)
+    changes a token), so a busy moment costs speed, never a different text. Timings whose
+    repeats disagree are taken again, and said in one line if they stay noisy."""
+    for _ in range(tries):
+        times = forward_times(model, COST_SIZES, repeats=3)
+        if all(max(t) <= NOISY * min(t) for t in times.values()):
+            break
+    else:
+        print("note: the machine is busy: --tree-size auto chose from noisy timings (the text "
+              "is the same; the speed may not be the best)", file=sys.stderr)
+    return {k: round(statistics.median(t) * 1000, 3) for k, t in times.items()}
+
+
+def forward_costs(model, sizes, batch: int = 1, prefix: int = 128, repeats: int = 5) -> dict:
+    """{k: median ms} of one forward over k new tokens per row (batch rows) after a prefix."""
+    times = forward_times(model, sizes, batch, prefix, repeats)
+    return {k: round(statistics.median(t) * 1000, 3) for k, t in times.items()}
 
 
 @torch.inference_mode()                 # timed as decoding runs: without autograd's bookkeeping
-def forward_costs(model, sizes, batch: int = 1, prefix: int = 128, repeats: int = 5) -> dict:
-    """{k: median ms} of one forward over k new tokens per row (batch rows) after a prefix.
+def forward_times(model, sizes, batch: int = 1, prefix: int = 128, repeats: int = 5) -> dict:
+    """{k: [seconds of each repeat]} of one forward over k new tokens per row after a prefix.
 
     The sizes take turns, one forward each per round: a burst of load on this shared machine
     then slows one round of every size, not all repeats of one."""
@@ -517,4 +534,4 @@ def forward_costs(model, sizes, batch: int = 1, prefix: int = 128, repeats: int 
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times[k].append(time.perf_counter() - t0)
-    return {k: round(statistics.median(t) * 1000, 3) for k, t in times.items()}
+    return times

@@ -37,7 +37,7 @@ def method_of(args, method: str, compile: bool | None = None):
     return method_config(method, args.num_speculative_tokens, args.draft_top_k, args.tree_size,
                          ngram_max=args.ngram_max or MethodConfig.ngram_max, draft=args.draft,
                          heads=tuple(args.head), draft_int8=args.draft_int8,
-                         show_tree=args.show_tree,
+                         verbose=args.verbose,
                          compile=args.compile if compile is None else compile)
 
 
@@ -157,8 +157,10 @@ def decoding_flags(p) -> None:
                         "report, per prompt too, to FILE)")
     p.add_argument("--show-tree", action="store_true",
                    help="after each step, draw the draft tree (tokens, cumulative probability, "
-                        "* on the accepted path, -> the target's own next token) on stderr; "
-                        "with --tree-size auto, first the prices it chose the size from")
+                        "* on the accepted path, -> the target's own next token) on stderr")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print the internal choices on stderr: with --tree-size auto, the "
+                        "price of each tree size it chose from")
     p.add_argument("--show-drafts", action=argparse.BooleanOptionalAction,
                    help="mark the streamed tokens that came from accepted drafts (in color, "
                         "or [brackets] where stdout is not a terminal; default: on at a "

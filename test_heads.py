@@ -769,8 +769,8 @@ def test_tree_size_auto_runs_end_to_end_and_stays_lossless(default_target, monke
                                                                49: 200.0})
     quiet = methods.method_config("eagle2", tree_size="auto")
     methods.build_head(quiet, target, tokenizer, 1024)
-    assert capsys.readouterr().err == "", "the prices are shown with --show-tree only"
-    shown = methods.method_config("eagle2", tree_size="auto", show_tree=True)
+    assert capsys.readouterr().err == "", "the prices are shown with --verbose only"
+    shown = methods.method_config("eagle2", tree_size="auto", verbose=True)
     proposer, info = methods.build_head(shown, target, tokenizer, 1024)
     err = capsys.readouterr().err
     assert 1 <= info["tree_size"] <= 16 and "<- chosen" in err

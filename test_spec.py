@@ -845,3 +845,24 @@ def test_verify_curve_of_the_thin_shape(tmp_path, capsys):
     curve = json.loads(captured.out.strip().splitlines()[-1])
     assert len(curve["ms"]) == 17 and all(ms > 0 for ms in curve["ms"].values())
     assert "1x512" in curve["ms"] and "8x64" in curve["ms"] and "vs 1 token" in captured.err
+
+
+def test_verify_costs_are_taken_again_when_the_repeats_disagree(monkeypatch, capsys):
+    """A burst of load makes one repeat slow: the timings are measured again (up to three
+    times), and said in one line when they stay noisy; clean ones are taken once, silently."""
+    import methods
+    runs = []
+
+    def forward_times(model, sizes, repeats):           # a noisy round: one repeat 3x slow
+        runs.append(next(rounds))
+        return {k: [0.010, 0.011, 0.030 if runs[-1] else 0.012] for k in sizes}
+    monkeypatch.setattr(methods, "forward_times", forward_times)
+    for noisy, note in (([True, False], ""), ([False], ""),
+                        ([True, True, True], "note: the machine is busy")):
+        runs.clear()
+        rounds = iter(noisy)
+        costs = methods.verify_costs(None)
+        assert runs == noisy and sorted(costs) == sorted(methods.COST_SIZES)
+        err = capsys.readouterr().err
+        assert (note in err) if note else err == "", err
+        assert len(err.splitlines()) <= 1
