@@ -91,6 +91,8 @@ def run(args) -> dict:
         info |= {"drafted_per_step": round(sum(result.drafted) / steps, 2),
                  "acceptance_by_position": [round(a, 3) for a in acceptance_by_position(
                      result, max([mc.depth] + result.accepted))]}
+    if stream:
+        print()                            # the shell's prompt on a line of its own
     text_ids = [t for t in result.token_ids if t not in tokenizer.stop_ids]
     return {"method": args.method, "model_path": os.path.abspath(path), "dtype": args.dtype,
             "device": args.device, "prompt_ids": prompt_ids, "token_ids": result.token_ids,
@@ -191,9 +193,11 @@ def model_flags(p) -> None:
                         "kernel; CPU, 16/32-bit). A draft only decides what is proposed, so "
                         "decoding stays lossless")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the decoder layers of the target and of the draft or "
-                        "head (trees are padded to one size); with --bench, every method also "
-                        "runs compiled (METHOD+compile rows) beside eager")
+                   help="experimental: torch.compile the decoder layers of the target and of "
+                        "the draft or head (trees are padded to one size); with --bench, every "
+                        "method also runs compiled (METHOD+compile rows) beside eager. Not exact: "
+                        "the compiled kernels do not compute a row the same way whatever shares "
+                        "the call, so the text may differ from eager decoding's")
 
 
 def draft_flags(p) -> None:
@@ -375,14 +379,14 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
-    if not args.bench and not args.verify_curve and args.json != "-":
+    if not args.bench and not args.verify_curve:
         print(summary(report), file=sys.stderr)
     if report.get("interrupted"):
         sys.exit(EXIT_INTERRUPTED)
 
 
 def summary(report: dict) -> str:
-    line = (f"\n[{report['method']}] {report['new_tokens']} tokens in {report['seconds']:.2f}s "
+    line = (f"[{report['method']}] {report['new_tokens']} tokens in {report['seconds']:.2f}s "
             f"= {report['tokens_per_s']:.1f} tokens/s, {report['target_forwards']} target "
             f"forwards, tau {report['tau']:.2f}")
     if "acceptance_by_position" in report:
