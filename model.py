@@ -96,7 +96,7 @@ class LlamaConfig:
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     """(D/2,) float32 inverse frequencies, with Llama 3 scaling applied when configured."""
     D = config.head_dim
-    inv = 1.0 / config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
+    inv = 1.0 / config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32, device="cpu") / D)
     s = config.rope_scaling
     if s is None:
         return inv
@@ -119,7 +119,8 @@ def rope_tables(inv_freq: torch.Tensor, positions: int) -> tuple:
     A table, not cos/sin per forward: a vectorized cos and the scalar one that handles a
     tensor's tail can round differently, so a position's angle would depend on how many
     tokens share the call; looked up, it is the same number in every call."""
-    freqs = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq     # (P, D/2)
+    pos = torch.arange(positions, dtype=torch.float32, device=inv_freq.device)       # (P,)
+    freqs = pos[:, None] * inv_freq                                                 # (P, D/2)
     cos, sin = freqs.cos(), freqs.sin()
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)         # (P, D) each
 
@@ -343,10 +344,13 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, init: bool = True):
+        """init=False leaves the embedding undrawn, for a model whose weights are all assigned
+        next (load_model): drawing it on the meta device imports half of torch.compile."""
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        undrawn = None if init else torch.empty(config.vocab_size, config.hidden_size)
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size, _weight=undrawn)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -392,7 +396,9 @@ class Llama(nn.Module):
 
 
 class Rope(nn.Module):
-    """RoPE's cos and signed sin by position, looked up in tables built once (`rope_tables`)."""
+    """RoPE's cos and signed sin by position, looked up in tables built once (`rope_tables`),
+    on the CPU whatever device is current (a model built on the meta device to be loaded gets
+    real tables; .to(device) moves them)."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -544,9 +550,8 @@ def load_model(folder: str, dtype=torch.float32, device="cpu") -> Llama:
     tensors = read_safetensors(safetensors_files(folder), dtype)
     check_tensors(tensors, config)
     with torch.device("meta"):
-        model = Llama(config)
+        model = Llama(config, init=False)
     model.load_state_dict(to_our_names(tensors, config), assign=True)
     if config.tie_embeddings:
         model.lm_head.weight = model.embed.weight
-    model.rope = Rope(config)                 # built on the meta device above: build it for real
     return model.to(device).eval()

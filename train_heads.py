@@ -193,7 +193,7 @@ def first_layers(target: Llama, layers: int) -> Llama:
     the tapped layers' outputs come from running only these (add_taps checks the range)."""
     config = LlamaConfig(**{**target.config.__dict__, "num_layers": layers})
     with torch.device("meta"):
-        part = Llama(config)
+        part = Llama(config, init=False)
     part.embed, part.norm, part.lm_head = target.embed, target.norm, target.lm_head
     part.layers = torch.nn.ModuleList(target.layers[:layers])
     part.rope = target.rope
@@ -889,7 +889,7 @@ def init_draft(target, layers: int):
     picks = [round(i * (N - 1) / max(layers - 1, 1)) for i in range(layers)]
     config = LlamaConfig(**{**asdict(target.config), "num_layers": layers})
     with torch.device("meta"):
-        draft = Llama(config)
+        draft = Llama(config, init=False)
     draft.layers = nn.ModuleList(copy.deepcopy(target.layers[i]) for i in picks)
     draft.norm = copy.deepcopy(target.norm)
     draft.embed, draft.lm_head, draft.rope = target.embed, target.lm_head, target.rope
