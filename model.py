@@ -213,10 +213,20 @@ class Attention(nn.Module):
         return self.wo(y.to(x.dtype).reshape(B, T, -1))                 # (B, T, C)
 
 
+def attend_reference(q, keys, values, mask):
+    """What `attend` computes, written directly: softmax(q k^T / sqrt(D)) v over the slots each
+    query sees, the G = H / K query heads of a KV head sharing it. Shapes as `attend`."""
+    G = q.shape[2] // keys.shape[1]
+    k, v = keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1)    # (B, H, W, D)
+    scores = q.transpose(1, 2) @ k.transpose(-1, -2) * q.shape[-1] ** -0.5  # (B, H, T, W)
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (weights @ v).transpose(1, 2)                                # (B, T, H, D)
+
+
 def attend(q, keys, values, mask, tail=None):
     """q (B, T, H, D), keys/values (B, K, W, D), mask (T, W) or (B, 1, T, W) -> (B, T, H, D).
 
-    Softmax attention that gives a query the bits plain decoding gives it, whatever else shares
+    `attend_reference`'s softmax attention, computed in an order that gives a query the bits plain decoding gives it, whatever else shares
     the call. A query's visible slots, in slot order, are the sequence plain decoding attends
     over (its "plain layout"); the weighted sum over them is taken in blocks of SLOT_BLOCK
     positions of that layout, one small matmul a block, and the blocks are added in order.

@@ -24,8 +24,10 @@ class Proposer(Protocol):
         """Before the first step; hidden (P, C): the target's final features of the prompt."""
 
     def propose(self, root: int, gen, generator) -> tuple:
-        """-> (Tree rooted at the target's last token, q): q (K, V) the draft's distributions
-        when its chain was sampled from them (Leviathan's rule verifies it), else None."""
+        """gen: the decode.GenConfig (temperature, top-p); generator: the torch.Generator of
+        drafts that sample. -> (Tree rooted at the target's last token, q): q (K, V) the
+        draft's distributions when its chain was sampled from them (Leviathan's rule verifies
+        it), else None."""
 
     def commit(self, tree: Tree, accepted: torch.Tensor, hidden: torch.Tensor | None) -> None:
         """After verification: accepted node indices (root first); hidden (N, C) the target's
@@ -214,7 +216,14 @@ class EagleProposer:
     The head's cache holds one entry per committed position t: (target feature at t, token at
     t + 1). Tree nodes are fed with the head's own predicted feature of their parent instead, and
     dropped after verification: the accepted ones come back with the target's true features.
-    EAGLE-2 (static=None) grows the tree with tree.grow_tree; EAGLE uses a fixed StaticTree."""
+    EAGLE-2 (static=None) grows the tree with tree.grow_tree; EAGLE uses a fixed StaticTree.
+
+    For a prompt a b c whose next token the target chose to be r (the root): start keeps the
+    target's features f_a f_b f_c and the tokens b c; propose feeds (f_a, b) (f_b, c) (f_c, r),
+    the last at `root_slot`, then the tree's nodes after it; commit cuts the cache back to
+    root_slot + 1 and keeps, for accepted drafts x y, the target's f_r f_x f_y and the tokens
+    x y, so that the next propose, with the target's new token s as its root, feeds (f_r, x)
+    (f_x, y) (f_y, s)."""
 
     def __init__(self, target: Llama, head, config: DraftConfig, slots: int, static=None,
                  proj=None):

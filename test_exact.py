@@ -11,7 +11,8 @@ import torch
 
 from kernels import sample_at, uniform
 from methods import build_proposer, load_target, room
-from model import Llama, LlamaConfig, RMSNorm, Rope, apply_rope, attend, round_up, tail_slots
+from model import (Llama, LlamaConfig, RMSNorm, Rope, apply_rope, attend, attend_reference,
+                   round_up, tail_slots)
 from quantize import Float32Linear, Int4Linear, Int8Linear, QuantizeError, as_float32, quantize
 from decode import GenConfig, generate_ar, generate_spec
 from test_spec import chi_square_p, default_path  # noqa: F401 (default_path is a fixture)
@@ -116,6 +117,24 @@ def test_attention_gives_a_tree_node_the_bits_plain_decoding_gives_it(dtype):
             visible = torch.arange(round_up(L))[None] < L
             alone = attend(q[:, node:node + 1], keys, values, visible, tail_slots(visible))
             assert torch.equal(alone[0, 0], together[0, node]), f"{dtype}: node {node} of {n}"
+
+
+def test_attend_computes_plain_softmax_attention():
+    """attend's blocked sums are an order of summation, not another function: against the
+    direct formula, in float64, for tree masks after a prefix (gathered tails) and causal ones."""
+    H, K, D, S = 6, 2, 16, 70
+    g = torch.Generator().manual_seed(5)
+    rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)   # noqa: E731
+    for n in (1, 7, 20):
+        tree = random_tree(n, seed=n)
+        W = round_up(S + n)
+        seen = torch.cat([torch.ones(n, S, dtype=torch.bool), ancestor_mask(tree.parents,
+                          tree.depths), torch.zeros(n, W - S - n, dtype=torch.bool)], 1)
+        causal = torch.arange(W)[None] < S + 1 + torch.arange(n)[:, None]           # (n, W)
+        q, keys, values = rand(1, n, H, D), rand(1, K, W, D), rand(1, K, W, D)
+        for mask in (seen, causal):
+            got = attend(q, keys, values, mask, tail_slots(mask))
+            assert torch.allclose(got, attend_reference(q, keys, values, mask), atol=1e-12), n
 
 
 def int4_tiny(seed=0) -> Llama:
