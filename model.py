@@ -90,7 +90,7 @@ class LlamaConfig:
                        tie_embeddings=hf.get("tie_word_embeddings", False),
                        attention_bias=hf.get("attention_bias", False))
         except KeyError as e:
-            raise LoadError(f"config.json lacks the field {e.args[0]!r}") from None
+            raise LoadError(f"the field {e.args[0]!r} is missing") from None
 
 
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
@@ -556,7 +556,12 @@ def load_model(folder: str, dtype=torch.float32, device="cpu") -> Llama:
     """Load a Hugging Face Llama folder (config.json + safetensors, sharded or not)."""
     if not os.path.isdir(folder):
         raise LoadError(f"model folder not found: {folder}")
-    config = LlamaConfig.from_hf(read_json(os.path.join(folder, "config.json"), "config.json"))
+    path = os.path.join(folder, "config.json")
+    hf = read_json(path, "config.json")               # its own errors name the file
+    try:
+        config = LlamaConfig.from_hf(hf)
+    except LoadError as e:
+        raise LoadError(f"{path}: {e}") from None
     tensors = read_safetensors(safetensors_files(folder), dtype)
     check_tensors(tensors, config)
     with torch.device("meta"):

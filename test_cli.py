@@ -38,6 +38,11 @@ def folders(tmp_path_factory):
         "bad tokenizer": broken("badtok", "tokenizer.json", lambda f: f.write_text("{oops")),
         "no tokenizer": broken("notok", "tokenizer.json", os.remove),
         "bad config": broken("badcfg", "config.json", lambda f: f.write_text('{"x": 1')),
+        "gpt2": broken("gpt2", "config.json", lambda f: edit_json(
+            f, architectures=["GPT2LMHeadModel"], model_type="gpt2")),
+        "yarn": broken("yarn", "config.json", lambda f: edit_json(
+            f, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})),
+        "no vocab": broken("novocab", "config.json", lambda f: edit_json(f, vocab_size=None)),
         "a file": str(good / "config.json"),
     }
 
@@ -86,6 +91,9 @@ SPEC_CASES = [
     (["--model", "{a file}"], "config.json"),
     (["--model", "{cut weights}"], "model.safetensors"),
     (["--model", "{bad config}"], "config.json"),
+    (["--model", "{gpt2}"], "{gpt2}/config.json: unsupported architecture 'GPT2LMHeadModel'"),
+    (["--model", "{yarn}"], "{yarn}/config.json: unsupported rope_scaling type 'yarn'"),
+    (["--model", "{no vocab}"], "{no vocab}/config.json: the field 'vocab_size' is missing"),
     (["--model", "{bad tokenizer}"], "{bad tokenizer}/tokenizer.json: not valid JSON"),
     (["--model", "{no tokenizer}"], "no tokenizer.json or original/tokenizer.model"),
     (["--model", "{good}", "--method", "draft", "--draft", "{cut weights}"],
@@ -116,6 +124,12 @@ TRAIN_CASES = [
     (["--data", "/nonexistent.jsonl"], "/nonexistent.jsonl"),
     (["--data", "{a file}"], "config.json:1: not JSON"),
 ]
+
+
+def edit_json(path, **fields) -> None:
+    """Rewrites a JSON file with fields set (None: removed)."""
+    data = json.loads(path.read_text()) | fields
+    path.write_text(json.dumps({k: v for k, v in data.items() if v is not None}))
 
 
 def replay(main, argv, capsys) -> str:
