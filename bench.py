@@ -22,12 +22,22 @@ from methods import TargetConfig, draft_folder, forward_costs, load_target, modu
 COMPILED = "+compile"                # --bench --compile: the compiled twin of each method
 
 
-def prompt_limit(args) -> int:
-    """--limit as given; unset: 10 prompts, or all that --bench --per-category selects (it
-    already says how many; a silent cap of 10 would drop whole categories)."""
-    if args.limit is not None:
-        return args.limit
-    return 0 if args.bench and args.per_category is not None else 10
+@dataclass
+class BenchConfig:
+    """What one bench run decodes, and with what (spec.py's --bench flags)."""
+    prompts: str                        # a JSONL file: {prompt} or {turns}, optional category
+    methods: list                       # plain decoding ("ar") runs first, as the baseline
+    target: TargetConfig
+    temperatures: list = field(default_factory=lambda: [0.0])
+    max_new_tokens: int = 128
+    top_p: float = 1.0
+    seed: int = 0
+    limit: int = 10                     # prompts in all (0: every one selected)
+    categories: str | None = None       # comma-separated (None: all)
+    per_category: int = 0               # the first N prompts of each category (0: all)
+    compile: bool = False               # every method also compiled (METHOD+compile rows)
+    peers: bool = False                 # transformers' own decoders too (PEERS)
+    draft: str | None = None            # the assistant of hf-assisted (None: the shipped draft)
 
 
 def jsonl_rows(path: str):
@@ -169,35 +179,33 @@ def format_tables(summary: dict, methods: list) -> str:
 
 
 @torch.inference_mode()
-def run_bench(args, build, loaded: tuple, out=sys.stdout) -> dict:
-    """build(args, method, loaded, GenConfig) -> (decode(prompt_ids) -> decode.Result, added MB,
+def run_bench(bc: BenchConfig, build, loaded: tuple, out=sys.stdout) -> dict:
+    """build(method, loaded, GenConfig) -> (decode(prompt_ids) -> decode.Result, added MB,
     configuration in words); loaded: (model path, target, tokenizer).
 
-    One run per temperature in args.temperature (a list), each with its own baseline. Returns
-    the JSON report; the tables go to `out`, the progress to stderr."""
+    One run per temperature of bc.temperatures, each with its own baseline. Returns the JSON
+    report; the tables go to `out`, the progress to stderr."""
     path, target, tokenizer = loaded
-    methods = args.methods.split(",")
-    if methods[0] != "ar":
-        methods = ["ar"] + [m for m in methods if m != "ar"]     # the baseline runs first
-    if args.compile:
+    methods = ["ar"] + [m for m in bc.methods if m != "ar"]       # the baseline runs first
+    if bc.compile:
         methods += [m + COMPILED for m in methods]
-    if args.peers:
+    if bc.peers:
         methods += PEERS
-    prompts = read_bench(args.bench, prompt_limit(args), args.categories, args.per_category)
+    prompts = read_bench(bc.prompts, bc.limit, bc.categories, bc.per_category)
     turns = sum(len(p.turns) for p in prompts)
-    print(f"bench: {len(prompts)} prompts ({turns} turns) from {args.bench}, categories "
+    print(f"bench: {len(prompts)} prompts ({turns} turns) from {bc.prompts}, categories "
           f"{', '.join(dict.fromkeys(p.category for p in prompts))}", file=sys.stderr)
     decoders, extra_mb, configs = {}, {}, {}
-    for T in args.temperature:
-        gen = GenConfig(args.max_new_tokens, T, args.top_p, args.seed)
+    for T in bc.temperatures:
+        gen = GenConfig(bc.max_new_tokens, T, bc.top_p, bc.seed)
         for m in methods:
-            make = peer_decoder if m in PEERS else build
-            decoders[T, m], extra_mb[m], configs[m] = make(args, m, loaded, gen)
+            made = peer_decoder(bc, m, loaded, gen) if m in PEERS else build(m, loaded, gen)
+            decoders[T, m], extra_mb[m], configs[m] = made
             decoders[T, m](tokenizer.chat_prompt("Hello! Say something."))       # warm-up
     records, interrupted = decode_all(prompts, decoders, tokenizer)
     target_mb = module_bytes(target) / 2**20          # quantized weights are buffers
     runs = []
-    for T in args.temperature:
+    for T in bc.temperatures:
         summary = summarize([r for r in records if r.temperature == T], methods, extra_mb,
                             target_mb, configs)
         print(f"\n== temperature {T:g}\n" + format_tables(summary, methods), file=out)
@@ -205,8 +213,8 @@ def run_bench(args, build, loaded: tuple, out=sys.stdout) -> dict:
     if len(runs) > 1:
         print("\n" + format_temperatures(runs, methods), file=out)
     count = len({r.id for r in records})
-    return {"model_path": path, "dtype": args.dtype, "device": args.device,
-            "prompts": args.bench, "count": count, "max_new_tokens": args.max_new_tokens,
+    return {"model_path": path, "dtype": bc.target.dtype, "device": bc.target.device,
+            "prompts": bc.prompts, "count": count, "max_new_tokens": bc.max_new_tokens,
             "interrupted": interrupted, "runs": runs, "records": [r.__dict__ for r in records]}
 
 
@@ -256,7 +264,7 @@ def format_temperatures(runs: list, methods: list) -> str:
 PEERS = ["hf", "hf-ngram", "hf-assisted"]
 
 
-def peer_decoder(args, name: str, loaded: tuple, gen: GenConfig) -> tuple:
+def peer_decoder(bc: BenchConfig, name: str, loaded: tuple, gen: GenConfig) -> tuple:
     """transformers' generate on the same model folder, dtype and prompts: plain ("hf"), with
     prompt lookup ("hf-ngram", prompt_lookup_num_tokens=10 as in its docs) or assisted by our
     distilled draft ("hf-assisted"). Target forwards are counted with a hook."""
@@ -265,8 +273,8 @@ def peer_decoder(args, name: str, loaded: tuple, gen: GenConfig) -> tuple:
     except ImportError:
         raise ValueError("--peers needs transformers: pip install transformers") from None
     path, _, tokenizer = loaded
-    dtype = getattr(torch, args.dtype)
-    hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
+    dtype, device = getattr(torch, bc.target.dtype), bc.target.device
+    hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     calls = [0]
     hf.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     options = {"max_new_tokens": gen.max_new_tokens, "eos_token_id": list(tokenizer.stop_ids),
@@ -278,17 +286,17 @@ def peer_decoder(args, name: str, loaded: tuple, gen: GenConfig) -> tuple:
     if name == "hf-ngram":
         options["prompt_lookup_num_tokens"] = 10
     elif name == "hf-assisted":
-        folder = draft_folder(args.draft or os.path.join(WEIGHTS, "smollm2-135m-draft"), path,
-                              cache_dir(args.cache_dir))
+        folder = draft_folder(bc.draft or os.path.join(WEIGHTS, "smollm2-135m-draft"), path,
+                              cache_dir(bc.target.cache_dir))
         helper = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=dtype)
-        options["assistant_model"] = helper.to(args.device).eval()
+        options["assistant_model"] = helper.to(device).eval()
         extra_mb = sum(p.numel() * p.element_size() for p in helper.parameters()) / 2**20
 
     def decode(prompt_ids):
         torch.manual_seed(gen.seed)
         calls[0] = 0
         t0 = time.perf_counter()
-        out = hf.generate(torch.tensor([prompt_ids], device=args.device), **options)
+        out = hf.generate(torch.tensor([prompt_ids], device=device), **options)
         new = out[0, len(prompt_ids):].tolist()                    # (waits for the device)
         seconds = time.perf_counter() - t0
         stop = next((i for i, t in enumerate(new) if t in tokenizer.stop_ids), None)

@@ -11,8 +11,9 @@ import codecs
 import json
 import os
 import sys
+from functools import partial
 
-from bench import COMPILED, run_bench, verify_curve
+from bench import COMPILED, BenchConfig, run_bench, verify_curve
 from decode import GenConfig, acceptance_by_position, check_room, generate_ar, generate_spec
 from methods import (HEAD_KIND, METHODS, RANDOM, SHAPES, TREE_DEFAULTS, MethodConfig,
                      TargetConfig, build_proposer, check_heads, describe, load_target,
@@ -43,6 +44,16 @@ def method_of(args, method: str, compile: bool | None = None):
 
 def gen_of(args, temperature: float) -> GenConfig:
     return GenConfig(args.max_new_tokens, temperature, args.top_p, args.seed)
+
+
+def bench_config(args) -> BenchConfig:
+    """--limit as given; unset: 10 prompts, or all that --per-category selects (it already says
+    how many; a silent cap of 10 would drop whole categories)."""
+    limit = args.limit if args.limit is not None else 0 if args.per_category is not None else 10
+    return BenchConfig(args.bench, args.methods.split(","), target_config(args),
+                       args.temperature, args.max_new_tokens, args.top_p, args.seed, limit,
+                       args.categories, args.per_category or 0, args.compile, args.peers,
+                       args.draft)
 
 
 def bench_decoder(args, method: str, loaded: tuple, gen: GenConfig) -> tuple:
@@ -364,7 +375,8 @@ def main(argv=None):
             report = verify_curve(target_config(args))
         elif args.bench:
             tables = sys.stderr if args.json == "-" else sys.stdout     # stdout: the JSON
-            report = run_bench(args, bench_decoder, load_target(target_config(args)), tables)
+            report = run_bench(bench_config(args), partial(bench_decoder, args),
+                               load_target(target_config(args)), tables)
         else:
             report = run(args)
         if args.json == "-" or (args.verify_curve and not args.json):

@@ -409,33 +409,34 @@ def test_bench_reads_both_formats_and_names_bad_lines(tmp_path):
 
 
 def test_bench_per_category_is_not_capped_by_the_default_limit(tmp_path):
-    from bench import prompt_limit
-    from spec import parse_args
+    from spec import bench_config, parse_args
     (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
     # 5 categories x 3 prompts: all 15 run unless --limit says otherwise
     bench = ["--bench", str(tmp_path / "p.jsonl"), "--categories", "a,b,c,d,e", "--per-category", "3"]
-    assert prompt_limit(parse_args(bench)) == 0
-    assert prompt_limit(parse_args(bench + ["--limit", "4"])) == 4
-    assert prompt_limit(parse_args(["--bench", str(tmp_path / "p.jsonl")])) == 10
+    assert bench_config(parse_args(bench)).limit == 0
+    assert bench_config(parse_args(bench + ["--limit", "4"])).limit == 4
+    assert bench_config(parse_args(["--bench", str(tmp_path / "p.jsonl")])).limit == 10
 
 
 @pytest.mark.slow
 def test_bench_end_to_end(default_path, tmp_path):
-    # (--compile's rows compile for a minute; the compiled decoder is tested on a tiny model)
+    # (--compile's rows compile for a minute; the compiled decoder is tested on a tiny model;
+    # --peers: transformers' decoders on the same prompts)
     import spec
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Repeat: red green blue red green blue", "category": "a"}\n'
                        '{"question_id": 7, "category": "b", "turns": ["Name a fruit.", "Another."]}\n')
     out = tmp_path / "bench.json"
     spec.main(["--bench", str(prompts), "--methods", "ngram", "--max-new-tokens", "8",
-               "--json", str(out)])
+               "--peers", "--json", str(out)])
     report = json.loads(out.read_text())
     summary = report["runs"][0]["summary"]
-    methods = ["ar", "ngram"]                         # the baseline runs first, unasked
+    methods = ["ar", "ngram", "hf", "hf-ngram", "hf-assisted"]   # the baseline first, unasked
     assert list(summary["methods"]) == methods and set(summary["categories"]) == {"a", "b"}
     assert len(report["records"]) == 3 * len(methods)            # 3 turns in all, each method
     assert summary["methods"]["ar"]["identical"] == [3, 3] and summary["methods"]["ar"]["tau"] == 1
     assert all(summary["methods"][m]["tau"] >= 1 for m in methods)
+    assert summary["methods"]["hf-assisted"]["tau"] > 1, "the assistant's drafts were accepted"
     assert all(len(r["token_ids"]) <= 8 for r in report["records"])
 
 
