@@ -75,8 +75,11 @@ class LlamaConfig:
         if rs:
             kind = rs.get("rope_type", rs.get("type", "default"))
             if kind == "llama3":
-                scaling = RopeScaling(rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"],
-                                      rs["original_max_position_embeddings"])
+                fields = ("factor", "low_freq_factor", "high_freq_factor",
+                          "original_max_position_embeddings")
+                if any(f not in rs for f in fields):
+                    raise LoadError(f"rope_scaling llama3 needs {', '.join(fields)}")
+                scaling = RopeScaling(*(rs[f] for f in fields))
             elif kind != "default":
                 raise LoadError(f"unsupported rope_scaling type {kind!r}: only 'llama3' and none")
         try:
@@ -226,8 +229,8 @@ def attend_reference(q, keys, values, mask):
 def attend(q, keys, values, mask, tail=None):
     """q (B, T, H, D), keys/values (B, K, W, D), mask (T, W) or (B, 1, T, W) -> (B, T, H, D).
 
-    `attend_reference`'s softmax attention, computed in an order that gives a query the bits plain decoding gives it, whatever else shares
-    the call. A query's visible slots, in slot order, are the sequence plain decoding attends
+    `attend_reference`'s softmax attention, computed in an order that gives a query the bits
+    plain decoding gives it, whatever else shares the call. A query's visible slots, in slot order, are the sequence plain decoding attends
     over (its "plain layout"); the weighted sum over them is taken in blocks of SLOT_BLOCK
     positions of that layout, one small matmul a block, and the blocks are added in order.
     Blocks of slots that every query sees in slot order are shared; the rest of a tree node's
@@ -498,9 +501,12 @@ def read_json(path: str, what: str) -> dict:
         raise LoadError(f"{what} not found: {path}")
     try:
         with open(path) as f:
-            return json.load(f)
+            data = json.load(f)
     except json.JSONDecodeError as e:
         raise LoadError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise LoadError(f"{path}: expected a JSON object")
+    return data
 
 
 def safetensors_files(folder: str) -> list:

@@ -103,7 +103,7 @@ def run(args) -> dict:
                  "acceptance_by_position": [round(a, 3) for a in acceptance_by_position(
                      result, max([mc.depth] + result.accepted))]}
     if stream:
-        print()                            # the shell's prompt on a line of its own
+        stream.finish()
     text_ids = [t for t in result.token_ids if t not in tokenizer.stop_ids]
     return {"method": args.method, "model_path": os.path.abspath(path), "dtype": args.dtype,
             "device": args.device, "prompt_ids": prompt_ids, "token_ids": result.token_ids,
@@ -138,6 +138,11 @@ class Streamer:
                 text = f"\033[36m{text}\033[0m" if self.color else f"[{text}]"
             sys.stdout.write(text)
         sys.stdout.flush()
+
+    def finish(self) -> None:
+        """The bytes of a character cut by the last token, then the end of the line (the
+        shell's prompt on a line of its own)."""
+        print(self.decoder.decode(b"", final=True))
 
 
 # ---------------------------------------------------------------- flags
@@ -316,7 +321,8 @@ def check_together(p, args) -> None:
                                  ("--draft-top-k", args.draft_top_k, ["eagle2", "eagle2+ngram"]),
                                  ("--tree-size", args.tree_size, list(HEAD_KIND)),
                                  ("--ngram-max", args.ngram_max, ["ngram", "eagle2+ngram"]),
-                                 ("--draft", args.draft, ["draft"])):
+                                 ("--draft", args.draft, ["draft"]),
+                                 ("--verbose", args.verbose or None, list(HEAD_KIND))):
         if value is not None and method not in methods:     # else silently without effect
             p.error(f"{flag} does not apply to --method {method}; it shapes "
                     f"{', '.join(methods)}")

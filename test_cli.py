@@ -43,6 +43,9 @@ def folders(tmp_path_factory):
         "yarn": broken("yarn", "config.json", lambda f: edit_json(
             f, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})),
         "no vocab": broken("novocab", "config.json", lambda f: edit_json(f, vocab_size=None)),
+        "half llama3": broken("halfl3", "config.json", lambda f: edit_json(
+            f, rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4})),
+        "a list": broken("list", "config.json", lambda f: f.write_text("[]")),
         "a file": str(good / "config.json"),
     }
 
@@ -94,6 +97,9 @@ SPEC_CASES = [
     (["--model", "{gpt2}"], "{gpt2}/config.json: unsupported architecture 'GPT2LMHeadModel'"),
     (["--model", "{yarn}"], "{yarn}/config.json: unsupported rope_scaling type 'yarn'"),
     (["--model", "{no vocab}"], "{no vocab}/config.json: the field 'vocab_size' is missing"),
+    (["--model", "{half llama3}"], "{half llama3}/config.json: rope_scaling llama3 needs factor"),
+    (["--model", "{a list}"], "{a list}/config.json: expected a JSON object"),
+    (["--verbose"], "--verbose does not apply to --method ar"),
     (["--model", "{bad tokenizer}"], "{bad tokenizer}/tokenizer.json: not valid JSON"),
     (["--model", "{no tokenizer}"], "no tokenizer.json or original/tokenizer.model"),
     (["--model", "{good}", "--method", "draft", "--draft", "{cut weights}"],

@@ -861,7 +861,7 @@ def test_verify_costs_are_taken_again_when_the_repeats_disagree(monkeypatch, cap
                         ([True, True, True], "note: the machine is busy")):
         runs.clear()
         rounds = iter(noisy)
-        costs = methods.verify_costs(None)
+        costs = methods.verify_costs(tiny_model())
         assert runs == noisy and sorted(costs) == sorted(methods.COST_SIZES)
         err = capsys.readouterr().err
         assert (note in err) if note else err == "", err
