@@ -306,6 +306,33 @@ def test_tree_mask_positions_and_paths_equal_brute_force():
         assert sorted(retrieve.tolist()) == sorted(paths)
 
 
+def test_greedy_tree_acceptance_equals_walking_the_tree():
+    """accept_tree against every root-to-leaf path tried by hand: the accepted path is a longest
+    one whose drafted tokens each equal the target's choice at their parent, the bonus the
+    choice at its end."""
+    rng = random.Random(1)
+    for _ in range(300):
+        tree = random_tree(rng, rng.randrange(1, 25))
+        parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+        choice = [rng.randrange(50) for _ in parents]
+        for node in range(1, len(parents)):          # agreement often enough to go deep
+            if rng.random() < 0.5:
+                choice[parents[node]] = tokens[node]
+        mask = brute_force_ancestors(parents)
+        path, n, bonus = accept_tree(tree.tokens, retrieve_indices(mask, tree.depths),
+                                     torch.tensor(choice))
+        def agreed(p):                                # drafted nodes accepted along path p
+            k = 0
+            while k + 1 < len(p) and tokens[p[k + 1]] == choice[p[k]]:
+                k += 1
+            return k
+        paths = [[j for j in range(len(parents)) if mask[leaf, j]] for leaf in range(len(parents))
+                 if leaf not in parents]
+        kept = [int(j) for j in path[:int(n) + 1]]
+        assert int(n) == max(map(agreed, paths)) and agreed(kept) == int(n), (parents, choice)
+        assert kept[0] == 0 and int(bonus) == choice[kept[-1]]
+
+
 def test_static_tree_from_medusa_paths():
     t = static_tree([[0], [0, 0], [1], [0, 1], [2, 0]])   # [2, 0] implies [2]
     assert t.parents.tolist() == [-1, 0, 0, 0, 1, 1, 3]
@@ -543,8 +570,8 @@ def run_tree(P, children, gen, choice_probs=None):
                      for n in range(1, len(tokens))]
     probs = torch.stack(rows)                                           # (N, V)
     choice = sample((choice_probs or (lambda p: p))(probs).expand(TRIALS, *probs.shape), gen)
-    path, n, bonus = accept_tree(tree.tokens, retrieve_indices(
-        ancestor_mask(tree.parents, tree.depths), tree.depths), choice)
+    path, n, bonus = accept_tree(tree.tokens, retrieve_indices(       # (brute force: the
+        brute_force_ancestors(parents), tree.depths), choice)            # mask is graded apart)
     t1 = torch.where(n >= 1, tree.tokens[path[:, 1].clamp(min=0)], bonus)
     t2 = torch.where(n >= 2, tree.tokens[path[:, 2].clamp(min=0)],
                      torch.where(n == 1, bonus, sample(P[1][t1], gen)))

@@ -1,0 +1,50 @@
+"""The course kit: a student's copy, blanked, must fail exactly the blanked assignment's grading
+tests, naming it; the project itself passes them all; `make` refuses what it cannot do."""
+import os
+
+import pytest
+
+import exercises
+
+
+def test_the_project_passes_every_assignment():
+    assert [why for _, why in exercises.check(exercises.ASSIGNMENTS)] == \
+        [None] * len(exercises.ASSIGNMENTS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [a.name for a in exercises.ASSIGNMENTS])
+def test_a_blanked_assignment_fails_alone_and_names_itself(name, tmp_path):
+    exercises.make(str(tmp_path / "copy"), exercises.chosen(name), force=False)
+    results = {a.name: why for a, why in exercises.check(exercises.ASSIGNMENTS,
+                                                         str(tmp_path / "copy"))}
+    why = results.pop(name)
+    assert why is not None and f"exercise {name}:" in why, why
+    assert all(w is None for w in results.values()), f"blanking {name} broke {results}"
+
+
+def test_blanking_keeps_the_signature_and_docstring_and_touches_nothing_else(tmp_path):
+    source = open(os.path.join(exercises.HERE, "tree.py")).read()
+    out = exercises.blank(source, "ancestor_mask", "tree-mask")
+    assert 'raise NotImplementedError("exercise tree-mask: write ancestor_mask' in out
+    assert "def ancestor_mask(parents: torch.Tensor, depths: torch.Tensor)" in out
+    before, after = source.split("def ancestor_mask")[0], out.split("def ancestor_mask")[0]
+    assert before == after, "the code above the function changed"
+    assert source.split("def positions")[1] == out.split("def positions")[1]
+    method = exercises.blank(open(os.path.join(exercises.HERE, "model.py")).read(),
+                             "KVCache.keep", "kv-rollback")
+    assert "        raise NotImplementedError(\"exercise kv-rollback" in method
+
+
+def test_make_refuses_unknown_names_full_folders_and_the_project(tmp_path, capsys):
+    with pytest.raises(ValueError, match="unknown assignment nope; the assignments: kv-rollback"):
+        exercises.chosen("nope")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("mine")
+    with pytest.raises(ValueError, match="not empty"):
+        exercises.make(str(tmp_path / "full"), exercises.ASSIGNMENTS, force=False)
+    with pytest.raises(ValueError, match="inside the project"):
+        exercises.make(os.path.join(exercises.HERE, "copy"), exercises.ASSIGNMENTS, force=False)
+    with pytest.raises(SystemExit) as e:
+        exercises.main(["make", str(tmp_path / "full"), "--only", "nope"])
+    assert e.value.code == 2 and capsys.readouterr().err.startswith("error: unknown assignment")
