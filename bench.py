@@ -38,6 +38,7 @@ class BenchConfig:
     compile: bool = False               # every method also compiled (METHOD+compile rows)
     peers: bool = False                 # transformers' own decoders too (PEERS)
     draft: str | None = None            # the assistant of hf-assisted (None: the shipped draft)
+    plot: str | None = None             # a folder for PNG plots of the run (matplotlib)
 
 
 def jsonl_rows(path: str):
@@ -213,9 +214,60 @@ def run_bench(bc: BenchConfig, build, loaded: tuple, out=sys.stdout) -> dict:
     if len(runs) > 1:
         print("\n" + format_temperatures(runs, methods), file=out)
     count = len({r.id for r in records})
+    if bc.plot:
+        plots(bc.plot, runs, methods, forward_costs(target, PLOT_SIZES, repeats=3))
     return {"model_path": path, "dtype": bc.target.dtype, "device": bc.target.device,
             "prompts": bc.prompts, "count": count, "max_new_tokens": bc.max_new_tokens,
             "interrupted": interrupted, "runs": runs, "records": [r.__dict__ for r in records]}
+
+
+PLOT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)     # tokens a verify pass, plotted
+
+
+def plots(folder: str, runs: list, methods: list, cost_ms: dict) -> None:
+    """PNG pictures of a bench in folder: a verify pass's cost against its tree size,
+    acceptance by draft position per method, and (several temperatures) tau against
+    temperature. matplotlib is imported here only: nothing else needs it."""
+    try:
+        import matplotlib
+        import matplotlib.ticker
+        matplotlib.use("Agg")                               # files only, no window
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+    os.makedirs(folder, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(list(cost_ms), [ms / cost_ms[1] for ms in cost_ms.values()], marker="o")
+    ax.set(xlabel="tokens in one target forward (tree nodes + root)",
+           ylabel="cost relative to 1 token", title="What verifying a tree costs")
+    save(fig, folder, "verify_cost.png")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in methods:
+        acc = runs[0]["summary"]["methods"][m].get("acceptance_by_position") or []
+        if acc:
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=m)
+    ax.set(xlabel="draft position", ylabel="fraction of steps accepted", ylim=(0, 1),
+           title=f"Acceptance by position (temperature {runs[0]['temperature']:g})")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.legend()
+    save(fig, folder, "acceptance.png")
+    if len(runs) > 1:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for m in methods:
+            ax.plot([r["temperature"] for r in runs],
+                    [r["summary"]["methods"][m]["tau"] for r in runs], marker="o", label=m)
+        ax.set(xlabel="temperature", ylabel="tau (tokens per target forward)",
+               title="Acceptance falls as sampling spreads")
+        ax.legend()
+        save(fig, folder, "tau_by_temperature.png")
+
+
+def save(fig, folder: str, name: str) -> None:
+    """Writes the figure whole (a temporary name, then renamed) and closes it."""
+    fig.tight_layout()
+    fig.savefig(os.path.join(folder, name + ".tmp"), format="png", dpi=110)
+    os.replace(os.path.join(folder, name + ".tmp"), os.path.join(folder, name))
+    fig.clear()
 
 
 def decode_all(prompts: list, decoders: dict, tokenizer) -> tuple:

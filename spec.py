@@ -53,7 +53,7 @@ def bench_config(args) -> BenchConfig:
     return BenchConfig(args.bench, args.methods.split(","), target_config(args),
                        args.temperature, args.max_new_tokens, args.top_p, args.seed, limit,
                        args.categories, args.per_category or 0, args.compile, args.peers,
-                       args.draft)
+                       args.draft, args.plot)
 
 
 def bench_decoder(args, method: str, loaded: tuple, gen: GenConfig) -> tuple:
@@ -265,6 +265,9 @@ def bench_flags(p) -> None:
                         "distilled draft (hf-assisted); needs transformers")
     p.add_argument("--per-category", type=int,
                    help="--bench: the first N prompts of each category (0: all)")
+    p.add_argument("--plot", metavar="DIR",
+                   help="--bench: also write PNG plots to DIR (the verify cost by tree size, "
+                        "acceptance by draft position, tau by temperature); needs matplotlib")
 
 
 def check_flags(p, args) -> None:
@@ -281,6 +284,13 @@ def check_flags(p, args) -> None:
     check_ranges(p, args)
     if args.json not in (None, "-"):
         check_writable(p, "--json", args.json)
+    if args.plot:
+        if os.path.exists(args.plot) and not os.path.isdir(args.plot):
+            p.error(f"--plot {args.plot}: a file; give a folder")
+        where = args.plot if os.path.isdir(args.plot) else os.path.dirname(
+            os.path.abspath(args.plot))                   # the folder is made if missing
+        if not os.path.isdir(where) or not os.access(where, os.W_OK):
+            p.error(f"--plot {args.plot}: cannot write into {where}")
     args.method = args.method or "ar"
     args.prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
     args.methods = args.methods or BENCH_METHODS
@@ -306,6 +316,7 @@ def check_together(p, args) -> None:
         return
     need = [f for f, v in (("--methods", args.methods), ("--categories", args.categories),
                            ("--limit", args.limit), ("--per-category", args.per_category),
+                           ("--plot", args.plot),
                            ("--peers", args.peers or None)) if v is not None]
     if len(args.temperature) > 1:
         need.append("several --temperature values")

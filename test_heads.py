@@ -428,12 +428,16 @@ def test_bench_end_to_end(default_path, tmp_path):
                        '{"question_id": 7, "category": "b", "turns": ["Name a fruit.", "Another."]}\n')
     out = tmp_path / "bench.json"
     spec.main(["--bench", str(prompts), "--methods", "ngram", "--max-new-tokens", "8",
-               "--peers", "--json", str(out)])
+               "--peers", "--json", str(out), "--temperature", "0,0.7", "--plot",
+               str(tmp_path / "plots")])
     report = json.loads(out.read_text())
+    pictures = sorted(os.listdir(tmp_path / "plots"))
+    assert pictures == ["acceptance.png", "tau_by_temperature.png", "verify_cost.png"]
+    assert all((tmp_path / "plots" / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pictures)
     summary = report["runs"][0]["summary"]
     methods = ["ar", "ngram", "hf", "hf-ngram", "hf-assisted"]   # the baseline first, unasked
     assert list(summary["methods"]) == methods and set(summary["categories"]) == {"a", "b"}
-    assert len(report["records"]) == 3 * len(methods)            # 3 turns in all, each method
+    assert len(report["records"]) == 2 * 3 * len(methods)   # 2 temperatures x 3 turns, each
     assert summary["methods"]["ar"]["identical"] == [3, 3] and summary["methods"]["ar"]["tau"] == 1
     assert all(summary["methods"][m]["tau"] >= 1 for m in methods)
     assert summary["methods"]["hf-assisted"]["tau"] > 1, "the assistant's drafts were accepted"
