@@ -74,6 +74,13 @@ ASSIGNMENTS = [
                "likely to be accepted, the product of their accuracies, chosen greedily.",
                "A heap of candidates: taking a path offers its first child and its next sibling.",
                ("test_heads.py::test_best_paths_equal_brute_force",)),
+    Assignment("eagle-ttt", "train_heads.py:ttt_mask", 30,
+               "EAGLE-3's training-time test: an EAGLE head learns to draft several steps from "
+               "its own predicted features. Build the attention mask of unrolled step j, so that "
+               "each entry sees exactly what a tree node of that depth sees at inference.",
+               "Entry i at step j drafts from the root at i - j: the true entries up to it, then "
+               "one entry of its own path per earlier step.",
+               ("test_heads.py::test_training_time_test_unroll_equals_drafting_at_inference",)),
 ]
 BY_NAME = {a.name: a for a in ASSIGNMENTS}
 
