@@ -15,7 +15,11 @@ def test_the_project_passes_every_assignment():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [a.name for a in exercises.ASSIGNMENTS])
 def test_a_blanked_assignment_fails_alone_and_names_itself(name, tmp_path):
+    file = exercises.BY_NAME[name].function.split(":")[0]
+    source = open(os.path.join(exercises.HERE, file)).read()
     exercises.make(str(tmp_path / "copy"), exercises.chosen(name), force=False)
+    assert open(os.path.join(exercises.HERE, file)).read() == source, "the source changed"
+    assert "exercise " + name in (tmp_path / "copy" / file).read_text()
     results = {a.name: why for a, why in exercises.check(exercises.ASSIGNMENTS,
                                                          str(tmp_path / "copy"))}
     why = results.pop(name)
