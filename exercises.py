@@ -35,7 +35,8 @@ ASSIGNMENTS = [
                "rest, for every layer at once. Without it the next step attends to rejected "
                "drafts.",
                "index_select along the slot dimension, then one slice assignment.",
-               ("test_spec.py::test_keeping_a_subset_of_slots_equals_appending_only_those",)),
+               ("test_spec.py::test_keeping_a_subset_of_slots_equals_appending_only_those",
+                "test_spec.py::test_compacted_cache_equals_plain_decoding_cache")),
     Assignment("tree-mask", "tree.py:ancestor_mask", 25,
                "A tree is verified in one forward: each node may see its ancestors and itself, "
                "nothing else. Build that (N, N) mask from the parent of each node.",
@@ -55,7 +56,8 @@ ASSIGNMENTS = [
                "accepted draw a bonus token from p. The output then follows p exactly.",
                "Draw all the uniforms at once; the first rejection is an argmax over a mask.",
                ("test_spec.py::test_sampled_chain_verification_keeps_target_distribution",
-                "test_spec.py::test_sampled_chain_negative_control_is_rejected")),
+                "test_spec.py::test_sampled_chain_negative_control_is_rejected",
+                "test_spec.py::test_a_draft_equal_to_the_target_is_always_accepted")),
     Assignment("position-draws", "kernels.py:sample_at", 15,
                "Sampling by inverse CDF at a given uniform u: the token whose cumulative "
                "probability first exceeds u. Keyed on the position, it makes a seeded run give "
@@ -98,16 +100,18 @@ def chosen(text: str | None) -> list:
     return [BY_NAME[n] for n in names]
 
 
-def blank(source: str, qualname: str, name: str) -> str:
+def blank(source: str, qualname: str, name: str, hint: str = "") -> str:
     """source with the body of function qualname ("Class.method" or "function") replaced by a
-    NotImplementedError naming the exercise; its signature and docstring stay."""
+    NotImplementedError naming the exercise (after the hint, as a comment); its signature and
+    docstring stay."""
     node = find(ast.parse(source), qualname.split("."))
     body = node.body[1:] if ast.get_docstring(node) is not None else node.body
     lines = source.split("\n")
     first, last = body[0].lineno - 1, node.end_lineno                 # 0-based, end exclusive
     indent = re.match(r"\s*", lines[first]).group(0)
     stub = f'{indent}raise NotImplementedError("exercise {name}: write {qualname} (EXERCISES.md)")'
-    return "\n".join(lines[:first] + [stub] + lines[last:])
+    hints = [f"{indent}# hint: {hint}"] if hint else []
+    return "\n".join(lines[:first] + hints + [stub] + lines[last:])
 
 
 def find(tree: ast.AST, path: list) -> ast.AST:
@@ -122,6 +126,8 @@ def make(out: str, assignments: list, force: bool) -> None:
     out = os.path.abspath(out)
     if out == HERE or out.startswith(HERE + os.sep):
         raise ValueError(f"{out}: inside the project itself; give a folder outside it")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"{out}: a file; give a folder")
     if os.path.isdir(out) and os.listdir(out) and not force:
         raise ValueError(f"{out}: not empty (--force writes into it anyway)")
     shutil.copytree(HERE, out, dirs_exist_ok=True,
@@ -130,7 +136,7 @@ def make(out: str, assignments: list, force: bool) -> None:
         file, qualname = a.function.split(":")
         path = os.path.join(out, file)
         with open(path) as f:
-            text = blank(f.read(), qualname, a.name)
+            text = blank(f.read(), qualname, a.name, a.hint)
         with open(path, "w") as f:
             f.write(text)
 

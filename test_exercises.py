@@ -36,8 +36,9 @@ def test_blanking_keeps_the_signature_and_docstring_and_touches_nothing_else(tmp
     assert before == after, "the code above the function changed"
     assert source.split("def positions")[1] == out.split("def positions")[1]
     method = exercises.blank(open(os.path.join(exercises.HERE, "model.py")).read(),
-                             "KVCache.keep", "kv-rollback")
-    assert "        raise NotImplementedError(\"exercise kv-rollback" in method
+                             "KVCache.keep", "kv-rollback", "one slice assignment")
+    assert "        # hint: one slice assignment\n        raise NotImplementedError(\"exercise " \
+           "kv-rollback" in method
 
 
 def test_make_refuses_unknown_names_full_folders_and_the_project(tmp_path, capsys):
@@ -47,6 +48,8 @@ def test_make_refuses_unknown_names_full_folders_and_the_project(tmp_path, capsy
     (tmp_path / "full" / "x").write_text("mine")
     with pytest.raises(ValueError, match="not empty"):
         exercises.make(str(tmp_path / "full"), exercises.ASSIGNMENTS, force=False)
+    with pytest.raises(ValueError, match="a file; give a folder"):
+        exercises.make(str(tmp_path / "full" / "x"), exercises.ASSIGNMENTS, force=False)
     with pytest.raises(ValueError, match="inside the project"):
         exercises.make(os.path.join(exercises.HERE, "copy"), exercises.ASSIGNMENTS, force=False)
     with pytest.raises(SystemExit) as e:

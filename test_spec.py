@@ -141,7 +141,7 @@ def test_keeping_a_subset_of_slots_equals_appending_only_those():
     prefix, new = [1, 2, 3], [10, 11, 12, 13, 14]
     cache = model.new_cache(1, 64)
     model(torch.tensor([prefix]), torch.arange(3)[None], cache)
-    # Append all five as siblings (each sees only the prefix and itself), then keep two of them.
+    # Append all five as siblings (each sees only the prefix and itself), then keep one of them.
     model(torch.tensor([new]), torch.full((1, 5), 3), cache, mask=torch.eye(5, dtype=torch.bool))
     cache.keep(3, torch.tensor([3]))          # keep token 13, at position 3
     _, _, ref = run_full(model, prefix + [13])
@@ -291,7 +291,8 @@ def test_tree_mask_positions_and_paths_equal_brute_force():
         tree = random_tree(rng, rng.randrange(1, 30))
         parents = tree.parents.tolist()
         mask = ancestor_mask(tree.parents, tree.depths)
-        assert torch.equal(mask, brute_force_ancestors(parents))
+        assert torch.equal(mask, brute_force_ancestors(parents)), \
+            f"ancestor_mask differs from each node's ancestors and itself, for parents {parents}"
         depth = [sum(row) - 1 for row in brute_force_ancestors(parents).tolist()]
         assert positions(tree.depths, 7).tolist() == [7 + d for d in depth]
         retrieve = retrieve_indices(mask, tree.depths)
@@ -399,7 +400,7 @@ def test_compacted_cache_equals_plain_decoding_cache():
     cache = model.new_cache(1, 64)
     model(torch.tensor([prefix]), torch.arange(4)[None], cache)
     model(tree.tokens[None], positions(tree.depths, 4)[None], cache,
-          ancestor_mask(tree.parents, tree.depths))
+          brute_force_ancestors(tree.parents.tolist()))  # (the mask is graded apart)
     accepted = torch.tensor([0, 1, 3, 4])                  # the path 23 -> 42 -> 3 -> 11
     cache.keep(4, accepted)
     plain = prefix + tree.tokens[accepted].tolist()
@@ -550,7 +551,20 @@ def test_sampled_chain_negative_control_is_rejected():
     """A wrong residual (sampling p instead of norm(max(p - q, 0))) must fail the same test."""
     _, P, Q = next(chain_configs())
     counts = run_chain(P, Q, torch.Generator().manual_seed(42), residual_fn=lambda p, q: p)
-    assert chi_square_p(counts, target_joint(P[0], P[1])) < 1e-6
+    p_value = chi_square_p(counts, target_joint(P[0], P[1]))
+    assert p_value < 1e-6, f"a rule that resamples from p after a rejection passed (p = {p_value:.2g})"
+
+
+def test_a_draft_equal_to_the_target_is_always_accepted():
+    """q = p: min(1, p(x) / q(x)) = 1, so every drafted token is accepted. (Rejecting everything
+    and sampling p keeps the distribution too: only this catches it.)"""
+    _, P, Q = list(chain_configs())[1]                                 # p_equals_q
+    gen, V = torch.Generator().manual_seed(3), P[0].shape[0]
+    x1 = sample(Q[0].expand(1000, V), gen)
+    x2 = sample(Q[1][x1], gen)
+    p = torch.stack([P[0].expand(1000, V), P[1][x1], P[2][x1, x2]], 1)   # (1000, 3, V)
+    n, _ = accept_chain_sampled(torch.stack([x1, x2], 1), p, p[:, :2], gen)
+    assert bool((n == 2).all()), f"accepted {n.float().mean():.2f} of 2 drafted tokens on average"
 
 
 def run_tree(P, children, gen, choice_probs=None):
