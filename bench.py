@@ -264,16 +264,17 @@ def plots(folder: str, runs: list, methods: list, cost_ms: dict) -> None:
 
 def save(fig, folder: str, name: str) -> None:
     """Writes the figure whole (a temporary name, then renamed) and closes it."""
+    import matplotlib.pyplot as plt                     # imported by plots already
     fig.tight_layout()
     fig.savefig(os.path.join(folder, name + ".tmp"), format="png", dpi=110)
     os.replace(os.path.join(folder, name + ".tmp"), os.path.join(folder, name))
-    fig.clear()
+    plt.close(fig)
 
 
 def decode_all(prompts: list, decoders: dict, tokenizer) -> tuple:
     """Every decoder on every prompt, prompt by prompt -> (records, interrupted). Ctrl-C keeps
     the prompts that every decoder finished (KeyboardInterrupt again when there are none)."""
-    records = []
+    records, done = [], 0                          # done: records of the finished prompts
     bar = tqdm(total=len(prompts) * len(decoders), desc="bench", unit="run", file=sys.stderr)
     try:
         for p in prompts:

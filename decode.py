@@ -63,6 +63,14 @@ def check_room(model, prompt_ids: list, gen: GenConfig, extra: int = 0) -> int:
     return min(n + gen.max_new_tokens + extra + 1, ctx + extra + 1)
 
 
+def plain_step(model, ids, pos, cache, gen: GenConfig) -> int:
+    """One target forward over ids (1, T) at positions pos -> the target's token after the last:
+    its argmax, or its draw keyed on the position it will take."""
+    logits, _ = model(ids, pos, cache, last_only=True)
+    u = draws(gen, [cache.length])
+    return int(next_tokens(logits[0, -1], gen.temperature, gen.top_p, u))
+
+
 @torch.inference_mode()
 def generate_ar(model, prompt_ids: list, gen: GenConfig, stop_ids=(), on_tokens=None) -> Result:
     """Plain decoding: one target forward per token."""
@@ -72,10 +80,8 @@ def generate_ar(model, prompt_ids: list, gen: GenConfig, stop_ids=(), on_tokens=
     ids = torch.tensor([prompt_ids], device=device)
     pos = torch.arange(len(prompt_ids), device=device)[None]
     while True:
-        logits, _ = model(ids, pos, cache, last_only=True)
+        token = plain_step(model, ids, pos, cache, gen)
         result.target_forwards += 1
-        u = draws(gen, [cache.length])                      # the token's own position
-        token = int(next_tokens(logits[0, -1], gen.temperature, gen.top_p, u))
         _, done = take(result, [token], stop_ids, gen.max_new_tokens)
         if on_tokens:
             on_tokens([token], [False])
@@ -152,11 +158,9 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
         if on_step:                                  # --show-tree
             on_step(tree, accepted.tolist(), root)
     while not done:                  # the context's last positions: too few for a whole tree
-        logits, _ = target(torch.tensor([[root]], device=device),
-                           torch.tensor([[cache.length]], device=device), cache, last_only=True)
+        root = plain_step(target, torch.tensor([[root]], device=device),
+                          torch.tensor([[cache.length]], device=device), cache, gen)
         result.target_forwards += 1
-        u = draws(gen, [cache.length])
-        root = int(next_tokens(logits[0, -1], gen.temperature, gen.top_p, u))
         _, done = take(result, [root], stop_ids, limit)
         if on_tokens:
             on_tokens([root], [False])

@@ -240,8 +240,8 @@ def expected_length(accuracy: list, size: int) -> float:
 def choose_tree_size(expected: dict, cost_ms: dict, draft_ms: dict, extra: int = 0) -> tuple:
     """The size n maximizing expected tokens per second, expected[n] / (draft_ms[n] + verify of
     n + 1 + extra tokens), with the verify cost interpolated linearly between the measured k in
-    cost_ms (and proportional past the last, `verify_cost`). draft_ms {n: ms of drafting n nodes}; extra: tokens that ride along in every verify
-    pass (eagle2+ngram's lookup chain).
+    cost_ms (and proportional past the last, `verify_cost`). draft_ms {n: ms of drafting n
+    nodes}; extra: tokens that ride along in every verify pass (eagle2+ngram's lookup chain).
     -> (n, {n: predicted tokens per second}, {n: verify ms of n + 1 + extra tokens})."""
     verify_ms = {n: verify_cost(cost_ms, n + 1 + extra) for n in expected}
     speed = {n: 1000 * e / (draft_ms[n] + verify_ms[n]) for n, e in expected.items()}

@@ -230,9 +230,10 @@ def attend(q, keys, values, mask, tail=None):
     """q (B, T, H, D), keys/values (B, K, W, D), mask (T, W) or (B, 1, T, W) -> (B, T, H, D).
 
     `attend_reference`'s softmax attention, computed in an order that gives a query the bits
-    plain decoding gives it, whatever else shares the call. A query's visible slots, in slot order, are the sequence plain decoding attends
-    over (its "plain layout"); the weighted sum over them is taken in blocks of SLOT_BLOCK
-    positions of that layout, one small matmul a block, and the blocks are added in order.
+    plain decoding gives it, whatever else shares the call. A query's visible slots, in slot
+    order, are the sequence plain decoding attends over (its "plain layout"); the weighted sum
+    over them is taken in blocks of SLOT_BLOCK positions of that layout, one small matmul a
+    block, and the blocks are added in order.
     Blocks of slots that every query sees in slot order are shared; the rest of a tree node's
     sequence (its ancestors, scattered among other nodes' slots) is gathered per node: `tail`
     (see `tail_slots`). The max is exact in any order, and exp runs on whole rows. The query
