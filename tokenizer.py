@@ -9,10 +9,13 @@ import base64
 import hashlib
 import json
 import os
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from datetime import datetime
 
+import jinja2
+import jinja2.ext
 import tiktoken
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # HF's ByteLevel pre-tokenizer regex (GPT-2's).
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -64,10 +67,11 @@ def pattern_from_pre_tokenizer(pre: dict | None) -> str:
 class Tokenizer:
     encoding: tiktoken.Encoding
     vocab_size: int                      # ids >= this are placeholders for bytes with no token
-    chat_format: str                     # "chatml", "llama3" or "none"
+    chat_format: str                     # "template", or without one "chatml", "llama3", "none"
     stop_ids: tuple                      # generation ends at any of these
-    bos_id: int | None = None            # prepended to every prompt when set (Llama 3)
-    default_system: str | None = None    # system message the checkpoint's template inserts
+    bos_id: int | None = None            # prepended to every raw prompt when set (Llama 3)
+    chat_template: str = ""              # the checkpoint's own (jinja2), as transformers renders it
+    template_tokens: dict = field(default_factory=dict)   # bos_token, eos_token, ... it may name
     pattern: str = ""                    # the pre-tokenizer regex
     merges_digest: str = field(default="", repr=False)   # sha256 of all ranks: draft vs target
 
@@ -91,10 +95,12 @@ class Tokenizer:
         return self.chat_ids([("user", user)], system)
 
     def chat_ids(self, turns: list, system: str | None = None) -> list:
-        """turns [(role, text)] -> ids, ending with the assistant's header."""
-        system = system if system is not None else self.default_system
+        """turns [(role, text)] -> ids, ending with the assistant's header. A checkpoint's own
+        template inserts its default system message when none is given, as with transformers."""
         if system is not None:
             turns = [("system", system)] + list(turns)
+        if self.chat_format == "template":       # its text holds the special tokens it wants
+            return self.encode(render_chat(self.chat_template, turns, self.template_tokens))
         if self.chat_format == "chatml":
             text = "".join(f"<|im_start|>{r}\n{t}<|im_end|>\n" for r, t in turns)
             text += "<|im_start|>assistant\n"
@@ -161,6 +167,49 @@ def ranks_from_hf(model: dict, specials: dict) -> dict:
     return ranks
 
 
+def render_chat(template: str, turns: list, tokens: dict) -> str:
+    """A chat template rendered as transformers' apply_chat_template renders it: a sandboxed
+    jinja2 environment that trims blocks, with loop controls, raise_exception, strftime_now
+    and a tojson that keeps non-ASCII; the special tokens' strings as variables."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals["raise_exception"] = refuse_chat
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    messages = [{"role": role, "content": text} for role, text in turns]
+    try:
+        return env.from_string(template).render(messages=messages, add_generation_prompt=True,
+                                                **tokens)
+    except jinja2.TemplateError as e:
+        raise TokenizerError(f"the checkpoint's chat template failed: {e}") from None
+
+
+def refuse_chat(message: str):
+    raise TokenizerError(f"the checkpoint's chat template refuses this chat: {message}")
+
+
+def chat_template(folder: str, config: dict) -> str:
+    """The template transformers would use: chat_template.jinja, else tokenizer_config.json's
+    (a string, or named templates of which "default")."""
+    path = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    template = config.get("chat_template") or ""
+    if isinstance(template, list):
+        template = next((t["template"] for t in template if t.get("name") == "default"), "")
+    return template
+
+
+def special_strings(config: dict) -> dict:
+    """tokenizer_config.json's special tokens (a string or {"content": ...}) by name."""
+    names = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+             "mask_token")
+    return {n: config[n]["content"] if isinstance(config[n], dict) else config[n]
+            for n in names if config.get(n)}
+
+
 def load_tokenizer(folder: str) -> Tokenizer:
     """From tokenizer.json (byte-level BPE), else Llama 3's original/tokenizer.model."""
     hf_path = os.path.join(folder, "tokenizer.json")
@@ -187,7 +236,12 @@ def load_tokenizer(folder: str) -> Tokenizer:
     else:
         raise TokenizerError(f"no tokenizer.json or original/tokenizer.model in {folder}")
     enc, vocab_size, digest = build(ranks, specials, pattern, os.path.basename(folder))
-    return with_chat_format(enc, vocab_size, specials, config, pattern, digest)
+    tok = with_chat_format(enc, vocab_size, specials, config, pattern, digest)
+    template = chat_template(folder, config)
+    if template:                   # the checkpoint's own; the hand-written formats a fallback
+        tok = replace(tok, chat_format="template", chat_template=template,
+                      template_tokens=special_strings(config))
+    return tok
 
 
 def read_json(path: str) -> dict:
@@ -202,15 +256,12 @@ def read_json(path: str) -> dict:
 
 
 def with_chat_format(enc, vocab_size, specials, config, pattern, digest) -> Tokenizer:
-    """Pick the chat format from the special tokens the checkpoint has."""
+    """Pick the stop tokens, and the chat format for a checkpoint without a template, from the
+    special tokens the checkpoint has."""
     common = dict(encoding=enc, vocab_size=vocab_size, pattern=pattern, merges_digest=digest)
-    template = config.get("chat_template") or ""
     if "<|im_start|>" in specials:
-        # SmolLM2's template inserts its own system message when none is given: keep that.
-        m = re.search(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", template)
         stops = [specials[t] for t in ("<|im_end|>", "<|endoftext|>") if t in specials]
-        return Tokenizer(chat_format="chatml", stop_ids=tuple(stops),
-                         default_system=m.group(1) if m else None, **common)
+        return Tokenizer(chat_format="chatml", stop_ids=tuple(stops), **common)
     if "<|start_header_id|>" in specials:
         stops = [specials[t] for t in ("<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")
                  if t in specials]
