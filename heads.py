@@ -32,6 +32,8 @@ class HeadConfig:
     layer: dict = field(default_factory=dict)     # EAGLE: LlamaConfig fields of its decoder layer
     accuracy: list = field(default_factory=list)  # [depth][rank] measured P(correct | path so far)
     taps: list = field(default_factory=list)      # EAGLE: target layers fused with the final one
+    input_norm: bool = False     # EAGLE: an RMS norm before the layer's attention (heads of
+                                 # older versions, the shipped one too; EAGLE's layout has none)
 
     def check(self, target: LlamaConfig, folder: str) -> None:
         if (self.hidden_size, self.vocab_size) != (target.hidden_size, target.vocab_size):
@@ -49,14 +51,20 @@ class EagleHead(nn.Module):
 
     With taps (EAGLE-3, Li et al. 2025, arXiv 2503.01840), the feature of a committed token is
     fused from the outputs of the target layers `taps` and its final feature: fuse(kC + C -> C),
-    started as a pass-through of the final feature, so a trained head gains taps unchanged."""
+    started as a pass-through of the final feature, so a trained head gains taps unchanged.
 
-    def __init__(self, layer: LlamaConfig, vocab_ids: torch.Tensor, taps=()):
+    The layout is the EAGLE authors' (eagle/model/cnets.py): fc with a bias, no RMS norm before
+    the layer's attention, the predicted feature projected by the target's lm_head as it is;
+    so a head exports to their format (export.py). input_norm=True is this project's older
+    layout, which the shipped head still has."""
+
+    def __init__(self, layer: LlamaConfig, vocab_ids: torch.Tensor, taps=(),
+                 input_norm: bool = False):
         super().__init__()
         C = layer.hidden_size
         self.layer_config, self.taps = layer, tuple(sorted(taps))   # Llama.forward's order
         self.fc = nn.Linear(2 * C, C)
-        self.layers = nn.ModuleList([Block(layer)])       # "layers.0." in the files, as in Llama
+        self.layers = nn.ModuleList([Block(layer, input_norm)])   # "layers.0.", as in Llama
         if self.taps:
             self.fuse = nn.Linear((len(self.taps) + 1) * C, C, bias=False)
             with torch.no_grad():                                       # [0 ... 0 | I]
@@ -92,7 +100,7 @@ class EagleHead(nn.Module):
         return x
 
     def new_cache(self, slots: int, batch: int = 1) -> KVCache:
-        w = self.layers[0].attn_norm.weight            # a float parameter in every weight form
+        w = self.layers[0].mlp_norm.weight             # a float parameter in every weight form
         return KVCache.allocate(self.layer_config, batch, slots, cache_dtype(w.dtype, w.device),
                                 w.device)
 
@@ -135,13 +143,19 @@ def projection(target, vocab_ids: torch.Tensor) -> nn.Linear:
 
 def build_head(config: HeadConfig, vocab_ids: torch.Tensor) -> nn.Module:
     if config.kind == "eagle":
-        return EagleHead(LlamaConfig(**config.layer), vocab_ids, config.taps)
+        return EagleHead(LlamaConfig(**config.layer), vocab_ids, config.taps, config.input_norm)
     return MedusaHeads(config.hidden_size, config.num_heads, vocab_ids)
 
 
+# The EAGLE authors' head layer builds its RoPE with base 10,000 whatever the target's theta
+# (cnets.LlamaRotaryEmbedding's default); a head trained with that base computes the same there
+# and in engines that read the exported config's rope_theta.
+EAGLE_ROPE_THETA = 10000.0
+
+
 def eagle_layer_config(target: LlamaConfig) -> dict:
-    """The head's decoder layer: the target's layer shape, one layer, no RoPE scaling."""
-    return asdict(target) | {"num_layers": 1, "rope_scaling": None}
+    """The head's decoder layer: the target's layer shape, one layer, EAGLE's plain RoPE."""
+    return asdict(target) | {"num_layers": 1, "rope_theta": EAGLE_ROPE_THETA, "rope_scaling": None}
 
 
 # ---------------------------------------------------------------- files
@@ -173,7 +187,11 @@ def read_head_config(folder: str) -> HeadConfig:
         try:
             config = json.load(f)
             if "kind" not in config:            # a whole model's HF config, a draft's say
-                raise TypeError("no 'kind': a model's config? a draft model goes to --draft")
+                raise TypeError("no 'kind': a model's config? a draft model goes to --draft; "
+                                "an exported EAGLE folder is for serving engines, --head takes "
+                                "the folder it was exported from")
+            if config["kind"] == "eagle":    # written before the field: those had the norm
+                config.setdefault("input_norm", True)
             if config.pop("own_projection", False):
                 raise LoadError(f"{folder}/config.json: Medusa heads with projections of their "
                                 "own are not supported; train heads that share the target's")

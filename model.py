@@ -345,9 +345,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, c: LlamaConfig):
+    def __init__(self, c: LlamaConfig, input_norm: bool = True):
+        """input_norm=False: no RMS norm before attention (EAGLE's head layer, whose input is
+        already a mix of normed embeddings and features)."""
         super().__init__()
-        self.attn_norm = RMSNorm(c.hidden_size, c.rms_eps)
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_eps) if input_norm else nn.Identity()
         self.attn = Attention(c)
         self.mlp_norm = RMSNorm(c.hidden_size, c.rms_eps)
         self.mlp = MLP(c)

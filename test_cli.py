@@ -135,6 +135,20 @@ TRAIN_CASES = [
 ]
 
 
+EXPORT_CASES = [
+    (["/nonexistent", "{out}/e"], "/nonexistent: no config.json"),
+    ([f"{WEIGHTS}/smollm2-135m-medusa", "{out}/e"], "holds medusa heads; --format eagle exports"),
+    ([f"{WEIGHTS}/smollm2-135m-draft", "{out}/e"], "not a head config"),
+    ([f"{WEIGHTS}/smollm2-135m-eagle", "{a file}"], "exists and is not a folder"),
+    ([f"{WEIGHTS}/smollm2-135m-eagle", "{good}"], "exists and is not empty; pass --force"),
+    ([f"{WEIGHTS}/smollm2-135m-eagle", "/proc/x/e"], "/proc/x/e: cannot write there"),
+    ([f"{WEIGHTS}/smollm2-135m-eagle", "{out}/e"], "an RMS norm before attention (heads of older"),
+    ([f"{WEIGHTS}/smollm2-135m-draft", "{out}/e", "--format", "hf"],
+     "a draft of hidden size 576 and vocab 49152, but the target"),
+    ([f"{WEIGHTS}/smollm2-135m-eagle"], "the following arguments are required: OUT"),
+]
+
+
 def edit_json(path, **fields) -> None:
     """Rewrites a JSON file with fields set (None: removed)."""
     data = json.loads(path.read_text()) | fields
@@ -183,6 +197,17 @@ def test_train_heads_refuses_bad_input_in_one_line(flags, message, folders, caps
     line = replay(train_heads.main, argv, capsys)
     assert fill(message, folders) in line
     assert not (tmp_path / "o").exists(), "--out made before the work it holds"
+
+
+@pytest.mark.parametrize("flags, message", EXPORT_CASES, ids=ids(EXPORT_CASES))
+def test_export_refuses_bad_input_in_one_line(flags, message, folders, capsys):
+    import train_heads
+    argv = ["export"] + [fill(f, folders) for f in flags]
+    before = sorted(os.listdir(folders["out"]))
+    fmt = [] if "--format" in flags else ["--format", "eagle"]
+    line = replay(train_heads.main, argv + fmt + ["--model", folders["good"]], capsys)
+    assert fill(message, folders) in line
+    assert sorted(os.listdir(folders["out"])) == before, "export left something behind"
 
 
 def test_ctrl_c_is_one_line_and_exit_code_130(monkeypatch, capsys):

@@ -289,7 +289,7 @@ def test_training_smoke_loss_falls_and_saved_head_decodes_the_same(tmp_path):
 
         # --init: training goes on from the saved head, not from a fresh one
         again, _ = th.init_head(SimpleNamespace(init=str(tmp_path / f"{method}_out"),
-                                                method=method, taps=()), target)
+                                                method=method, taps=()), target, seqs)
         assert all(p.requires_grad for p in again.parameters())
         more = th.train(again, loss_of(again), seqs[:8], th.TrainConfig(epochs=1, lr=1e-9,
                                                                         tokens_per_batch=256),
@@ -336,7 +336,7 @@ def test_tapped_features_fuse_losslessly_and_a_head_gains_taps_unchanged(tmp_pat
                         layer=eagle_layer_config(target.config))
     save_head(old, config, str(tmp_path / "old"))
     grown, grown_config = th.init_head(SimpleNamespace(init=str(tmp_path / "old"),
-                                                       method="eagle", taps=taps), target)
+                                                       method="eagle", taps=taps), target, [])
     assert grown_config.taps == list(taps) and grown.taps == taps
     loaded_old = load_head(str(tmp_path / "old"), target, "eagle")[0]
     prompt, gen = [5, 9, 3, 12], GenConfig(24)

@@ -227,7 +227,7 @@ def test_a_head_given_as_draft_and_a_draft_given_as_head_are_named(tmp_path, cap
     with pytest.raises(SystemExit) as e:
         main(["--method", "eagle2", "--head", f"{WEIGHTS}/smollm2-135m-draft"])
     assert e.value.code == 2
-    assert "not a head config (no 'kind': a model's config? a draft model goes to --draft)" in \
+    assert "not a head config (no 'kind': a model's config? a draft model goes to --draft;" in \
         capsys.readouterr().err
 
 

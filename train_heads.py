@@ -12,6 +12,10 @@ Two stages, both resumable:
 At the end tau is measured with the real decoding loop on held-out prompts and written, with the
 data, steps, wall time and losses, to OUT/training.json.
 
+    python train_heads.py export weights/smollm2-135m-eagle OUT --format eagle
+
+writes a trained EAGLE head in the EAGLE authors' format, for serving engines (export.py).
+
 Dimensions: B batch, T tokens, S cache slots, C hidden size, V vocab, R reduced draft vocab,
 J unrolled draft steps (EAGLE-3's training-time test).
 """
@@ -25,7 +29,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -35,9 +39,10 @@ from tqdm import tqdm
 
 from bench import jsonl_rows
 from decode import GenConfig, generate_spec
-from default_model import default_model_path
-from heads import (HeadConfig, best_paths, build_head, eagle_layer_config, load_head,
-                   projection_rows, read_head_config, save_head, write_json)
+from default_model import cache_dir, default_model_path
+from export import FORMATS, check_export, export_draft, export_head
+from heads import (EAGLE_ROPE_THETA, HeadConfig, best_paths, build_head, eagle_layer_config,
+                   load_head, projection_rows, read_head_config, save_head, write_json)
 from kernels import attention_mask
 from methods import DRAFT_VOCAB, parse_flags
 from model import KVCache, Llama, LlamaConfig, load_model, to_hf_names
@@ -709,12 +714,42 @@ def default_features_dir(args) -> str:
     return os.path.join(root, f"features-{name}")
 
 
+def export_flags(p) -> None:
+    """train_heads.py export HEAD_DIR OUT: a trained head in a serving engine's format."""
+    p.prog = "train_heads.py export"
+    p.add_argument("head", metavar="HEAD_DIR", help="a head (or distilled draft) folder written "
+                                                     "by this script")
+    p.add_argument("out", metavar="OUT", help="folder to write (new, or empty)")
+    p.add_argument("--format", choices=FORMATS, required=True,
+                   help="eagle: an EAGLE head in the EAGLE authors' layout (SGLang loads it); "
+                        "hf: the distilled draft as a whole HF Llama folder")
+    p.add_argument("--force", action="store_true", help="replace OUT if it is not empty")
+    p.add_argument("--model", help="the target HF folder the head was trained for, whose "
+                                   "embedding the export holds (default: the embedded model)")
+    p.add_argument("--cache-dir", help="where the default model lives (default ~/.cache/spec-decode)")
+    p.add_argument("--device", help=argparse.SUPPRESS)
+
+
+def export_command(args) -> None:
+    check_export(args.head, args.out, args.format, args.force)       # before the target loads
+    model_path = args.model or default_model_path(args.cache_dir)
+    if args.format == "hf":
+        export_draft(args.head, model_path, args.out, cache_dir(args.cache_dir), args.force)
+    else:
+        export_head(args.head, load_model(model_path, torch.float32, "cpu"), args.out,
+                    args.format, args.force)
+    print(f"wrote {args.out} ({args.format} format)", file=sys.stderr)
+
+
 def main(argv=None):
     """The command line: bad input is one `error:` line and exit code 2, Ctrl-C one line and
     130 (what a run finished stays: feature shards and checkpoints are whole files)."""
-    args = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    exporting = argv[:1] == ["export"]
+    args = (parse_flags(argv[1:], export_flags.__doc__, [export_flags], lambda p, a: None)
+            if exporting else parse_args(argv))
     try:
-        train_command(args)
+        export_command(args) if exporting else train_command(args)
     except (ValueError, OSError) as e:       # bad data, a missing file, a head that does not fit
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)                          # spec.py's code for bad input too
@@ -802,7 +837,7 @@ def record_fields(record: dict) -> dict:
 
 
 def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) -> dict:
-    head, config = (init_head(args, target) if args.init
+    head, config = (init_head(args, target, train_seqs) if args.init
                     else new_head(args, target, train_seqs, tokenizer.stop_ids))
     proj = projection_rows(target, head.vocab_ids)                         # (R, C)
     device = proj.device
@@ -818,7 +853,7 @@ def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) 
             return medusa_loss(head, proj, make_batch(seqs).to(device))
     record = train(head, loss_fn, train_seqs, tc, args.out)
     if args.init and args.wise < 1:
-        interpolate(head, init_head(args, target)[0], args.wise)
+        interpolate(head, init_head(args, target, train_seqs)[0], args.wise)
     head.eval()
     depth = max(tc.steps, 6) if args.method == "eagle" else args.heads
     config.accuracy = [[round(a, 4) for a in row]
@@ -856,12 +891,14 @@ def interpolate(head, start, alpha: float) -> None:
                 w.lerp_(theirs[name].to(w), 1 - alpha)
 
 
-def init_head(args, target) -> tuple:
+def init_head(args, target, seqs: list) -> tuple:
     """-> (head, HeadConfig) of the trained head in --init, to train further: its shape and
     draft vocabulary are kept (--draft-vocab and --heads do not apply), but for the taps it
-    gains (--taps)."""
+    gains (--taps) and an older EAGLE head's move to EAGLE's layout (`to_eagle_layout`)."""
     head, config = load_head(args.init, target, args.method)
     config.accuracy = []                                                   # measured again
+    if config.input_norm:
+        head, config = to_eagle_layout(head.float(), config, target.embed, seqs)
     if args.taps and tuple(config.taps) != args.taps:
         if config.taps:
             raise ValueError(f"{args.init}: its head reads layers {config.taps}, not --taps "
@@ -874,7 +911,30 @@ def init_head(args, target) -> tuple:
     return head.float().train().requires_grad_(True), config
 
 
+@torch.no_grad()
+def to_eagle_layout(head, config: HeadConfig, embed, seqs: list) -> tuple:
+    """A head of the older layout (an RMS norm before attention, the target's RoPE base) as a
+    start in EAGLE's (heads.EagleHead): the norm's weight w and the mean RMS r that its input
+    has on these sequences fold into q, k and v (norm(x) ~ x * w / r), and RoPE takes EAGLE's
+    base. An approximation, which the training that follows adapts to."""
+    fc_out = []
+    for s in seqs[:64]:
+        feats = head.fuse_features(s.features()[None].to(head.fc.weight))   # (1, n - 1, C)
+        x = head.fc(torch.cat([embed(s.tokens[None, 1:]).to(feats), feats], -1))
+        fc_out.append((x[0].pow(2).mean(-1) + config.layer["rms_eps"]).sqrt())   # (n - 1,)
+    r = torch.cat(fc_out).mean()
+    config = replace(config, input_norm=False,
+                     layer=config.layer | {"rope_theta": EAGLE_ROPE_THETA})
+    moved = build_head(config, head.vocab_ids).to(head.fc.weight)
+    state = head.state_dict()
+    w = state.pop("layers.0.attn_norm.weight") / r                          # (C,)
+    state["layers.0.attn.wqkv.weight"] = state["layers.0.attn.wqkv.weight"] * w      # (3C', C)
+    moved.load_state_dict(state)
+    return moved, config
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja",
                    "generation_config.json")
 
 

@@ -1,0 +1,166 @@
+"""Heads trained here, written in the formats that serving engines load.
+
+    python train_heads.py export weights/smollm2-135m-eagle eagle-out --format eagle
+
+EAGLE's format is the EAGLE authors' (eagle/model/cnets.py `Model`, loaded strictly): config.json
+(a LlamaConfig of one layer, `bias` for fc) and the tensors embed_tokens, fc and layers.0.* under
+HF Llama names, without the layer's input_layernorm. SGLang's EAGLE head has the same layout;
+vLLM's has no fc bias (docs/ENGINES.md).
+The reduced draft vocabulary is our drafting shortcut: the exported head predicts a feature,
+which those engines project with the target's whole lm_head.
+
+    python train_heads.py export weights/smollm2-135m-draft draft-out --format hf
+
+writes the distilled draft as a whole HF Llama folder (the shipped one leaves out the embedding
+it shares with the target), which engines take as a draft model.
+"""
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import replace
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from heads import EAGLE_ROPE_THETA, EagleHead, HeadConfig, load_head, read_head_config
+from methods import draft_folder
+from model import LlamaConfig, LoadError, read_json, to_hf_names, to_our_names
+
+FORMATS = ("eagle", "hf")
+
+
+def check_exportable(config: HeadConfig, folder: str) -> None:
+    """LoadError naming what the EAGLE format cannot express, before anything is written."""
+    layer = config.layer
+    why = None
+    if config.kind != "eagle":
+        why = f"it holds {config.kind} heads; --format eagle exports EAGLE heads"
+    elif config.taps:
+        why = (f"it reads target layers {config.taps} (EAGLE-3's fused features); the EAGLE "
+               "format reads the final feature only")
+    elif layer["num_layers"] != 1:
+        why = f"it has {layer['num_layers']} decoder layers; the EAGLE format has one"
+    elif config.input_norm:
+        why = ("its layer has an RMS norm before attention (heads of older versions); train it "
+               "further with `train_heads.py --init` to move it to EAGLE's layout")
+    elif layer["rope_theta"] != EAGLE_ROPE_THETA or layer["rope_scaling"]:
+        why = (f"its RoPE (theta {layer['rope_theta']}, scaling {layer['rope_scaling']}) is not "
+               f"the EAGLE code's fixed base {EAGLE_ROPE_THETA:g}")
+    elif layer["head_dim"] * layer["num_heads"] != layer["hidden_size"] or layer["attention_bias"]:
+        why = "its attention's shape (head_dim, biases) is not one the EAGLE code builds"
+    if why:
+        raise LoadError(f"{folder}: cannot export as --format eagle: {why}")
+
+
+def eagle_config(layer: LlamaConfig) -> dict:
+    """config.json: the fields EConfig (a LlamaConfig) reads, and what engines read beside; the
+    architecture is SGLang's name for this head (the EAGLE code reads none)."""
+    return {"architectures": ["LlamaForCausalLMEagle"], "model_type": "llama", "bias": True,
+            "hidden_size": layer.hidden_size, "intermediate_size": layer.intermediate_size,
+            "num_attention_heads": layer.num_heads, "num_key_value_heads": layer.num_kv_heads,
+            "head_dim": layer.head_dim, "num_hidden_layers": 1, "hidden_act": "silu",
+            "max_position_embeddings": layer.max_positions, "rms_norm_eps": layer.rms_eps,
+            "rope_theta": layer.rope_theta, "rope_scaling": None,
+            "vocab_size": layer.vocab_size, "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16"}
+
+
+def eagle_tensors(head: EagleHead, embed: torch.Tensor) -> dict:
+    """Our head's tensors under the EAGLE names; embed (V, C): the target's embedding, which
+    their Model holds as embed_tokens."""
+    layer = replace(head.layer_config, tie_embeddings=True)     # no lm_head of its own
+    ours = {"embed.weight": embed, "norm.weight": head.fc.bias,  # norm: a placeholder, dropped
+            "layers.0.attn_norm.weight": head.fc.bias}            # EAGLE's layer 0 has none
+    ours |= {"layers.0." + k: v for k, v in head.layers[0].state_dict().items()}
+    hf = to_hf_names(ours, layer)
+    for k in ("model.norm.weight", "model.layers.0.input_layernorm.weight"):
+        del hf[k]
+    tensors = {k.removeprefix("model."): v for k, v in hf.items()}
+    tensors |= {"fc.weight": head.fc.weight, "fc.bias": head.fc.bias}
+    return {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in tensors.items()}
+
+
+def check_export(head_dir: str, out: str, fmt: str, force: bool = False) -> None:
+    """Everything that can be refused before the target is loaded (ValueError)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"--format {fmt}: one of {', '.join(FORMATS)}")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"{out}: exists and is not a folder")
+    if os.path.isdir(out) and os.listdir(out) and not force:
+        raise ValueError(f"{out}: exists and is not empty; pass --force to replace it")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ValueError(f"{out}: cannot write there ({parent} is not a writable folder)")
+    if fmt == "eagle":
+        check_exportable(read_head_config(head_dir), head_dir)
+    else:
+        kind = read_json(os.path.join(head_dir, "config.json"), "the draft's config").get("kind")
+        if kind:
+            raise LoadError(f"{head_dir}: holds {kind} heads; --format hf exports a distilled "
+                            "draft model (an EAGLE head goes to --format eagle)")
+
+
+def export_head(head_dir: str, target, out: str, fmt: str, force: bool = False) -> None:
+    """Write the head in head_dir as `fmt` into out, whole or not at all; a non-empty out is
+    replaced only with force."""
+    check_export(head_dir, out, fmt, force)
+    head, _ = load_head(head_dir, target, "eagle")
+    tmp = tempfile.mkdtemp(prefix=".export-", dir=os.path.dirname(os.path.abspath(out)))
+    try:
+        save_file(eagle_tensors(head, target.embed.weight), os.path.join(tmp, "model.safetensors"),
+                  metadata={"format": "pt"})
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(eagle_config(head.layer_config), f, indent=1)
+        if os.path.exists(out):
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def export_draft(draft_dir: str, target_folder: str, out: str, cache: str,
+                 force: bool = False) -> None:
+    """The distilled draft in draft_dir as a whole HF folder in out (its embedding taken from
+    the target where it shares it), whole or not at all."""
+    check_export(draft_dir, out, "hf", force)
+    draft, target = (read_json(os.path.join(f, "config.json"), "a config")
+                     for f in (draft_dir, target_folder))
+    shape = ("hidden_size", "vocab_size")
+    if [draft.get(k) for k in shape] != [target.get(k) for k in shape]:
+        raise LoadError(f"{draft_dir}: a draft of hidden size {draft.get('hidden_size')} and vocab "
+                        f"{draft.get('vocab_size')}, but the target {target_folder} has "
+                        f"{target.get('hidden_size')} and {target.get('vocab_size')}")
+    whole = draft_folder(draft_dir, target_folder, cache)
+    tmp = tempfile.mkdtemp(prefix=".export-", dir=os.path.dirname(os.path.abspath(out)))
+    try:
+        shutil.copytree(whole, tmp, dirs_exist_ok=True)
+        if os.path.exists(out):
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_eagle(folder: str) -> EagleHead:
+    """An EAGLE-format folder (ours or the EAGLE authors') as our EagleHead, in float32, over the
+    whole vocabulary (vocab_ids 0..V-1): the reload half of the round trip."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            hf = json.load(f)
+        tensors = load_file(os.path.join(folder, "model.safetensors"))
+    except (OSError, json.JSONDecodeError, SafetensorError) as e:
+        raise LoadError(f"{folder}: not an EAGLE folder ({e})") from None
+    hf = hf | {"architectures": ["LlamaForCausalLM"]}          # a head of a Llama, all the same
+    layer = replace(LlamaConfig.from_hf(hf), num_layers=1, tie_embeddings=True)
+    hf_names = {"model." + k: v for k, v in tensors.items() if k != "fc.weight" and k != "fc.bias"}
+    hf_names |= {"model.norm.weight": torch.ones(layer.hidden_size),
+                 "model.layers.0.input_layernorm.weight": torch.ones(layer.hidden_size)}
+    ours = to_our_names(hf_names, layer)
+    head = EagleHead(layer, torch.arange(layer.vocab_size))
+    state = {k: v for k, v in ours.items() if k.startswith("layers.0.") and "attn_norm" not in k}
+    state |= {"fc.weight": tensors["fc.weight"], "fc.bias": tensors["fc.bias"],
+              "vocab_ids": head.vocab_ids}
+    head.load_state_dict(state)
+    return head.float().eval()

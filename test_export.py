@@ -1,0 +1,213 @@
+"""Tests of the export to the EAGLE format, against the EAGLE authors' own code (eagle-llm)."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from default_model import WEIGHTS
+from export import check_export, export_head, read_eagle
+from heads import EagleHead, HeadConfig, eagle_layer_config, load_head, save_head
+from model import KVCache, LlamaConfig, LoadError
+from test_spec import default_path, tiny_model  # noqa: F401 (default_path is a fixture)
+
+import train_heads
+
+transformers = pytest.importorskip("transformers")
+
+
+def saved_head(folder, target, seed=0, **config) -> EagleHead:
+    """A random EAGLE head (float32, bf16-exact weights) saved as train_heads.py saves one."""
+    torch.manual_seed(seed)
+    c = target.config
+    hc = HeadConfig("eagle", c.hidden_size, c.vocab_size, c.vocab_size,
+                    layer=eagle_layer_config(c))
+    for k, v in config.items():
+        setattr(hc, k, v)
+    head = EagleHead(LlamaConfig(**hc.layer), torch.arange(c.vocab_size), hc.taps, hc.input_norm)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn_like(p).mul(0.3).bfloat16())
+    save_head(head, hc, str(folder))
+    return head.eval()
+
+
+def their_model(folder):
+    """The EAGLE authors' Model, strictly loaded from an exported folder (float32)."""
+    try:
+        from eagle.model.cnets import Model
+        from eagle.model.configs import EConfig
+    except ImportError as e:
+        pytest.skip(f"eagle-llm is not installed ({e}); README's set-up installs it with "
+                    "pip install --no-deps eagle-llm==1.2.1")
+    config = EConfig.from_pretrained(folder)
+    config.rope_scaling = None        # transformers 5 fills it in; their attention reads None
+    model = Model(config, load_emb=False)
+    model.load_state_dict(load_file(os.path.join(folder, "model.safetensors")), strict=True)
+    return model.float().eval()
+
+
+def ours(head, embed, feats, next_tokens):
+    """Our head's predicted features (T, C) for features (T, C) and the tokens they precede."""
+    T = feats.shape[0]
+    cache = KVCache.allocate(head.layer_config, 1, 64, torch.float32, "cpu")
+    out = head(feats[None], embed[next_tokens][None], torch.arange(T)[None], cache)
+    return out[0]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_eagle_authors_model_computes_our_features_and_drafts(tmp_path, seed):
+    target = tiny_model(seed).float()
+    head = saved_head(tmp_path / "head", target, seed)
+    export_head(str(tmp_path / "head"), target, str(tmp_path / "eagle"), "eagle")
+    theirs = their_model(str(tmp_path / "eagle"))
+    torch.manual_seed(seed)
+    tokens = torch.randint(0, target.config.vocab_size, (1, 25))
+    _, hidden = target(tokens, torch.arange(25)[None], target.new_cache(1, 64))
+    feats, next_tokens = hidden[0, :-1], tokens[0, 1:]                  # (24, C), (24,)
+    embed = theirs.embed_tokens.weight                                  # the file's, bf16-exact
+    with torch.no_grad():
+        want = theirs(feats[None], next_tokens[None])[0]                # (24, C)
+        got = ours(head, embed, feats, next_tokens)
+    # float32 either way; their attention multiplies out a mask and softmaxes another order
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
+    lm_head = target.lm_head.weight
+    assert torch.equal((got @ lm_head.T).topk(4).indices, (want @ lm_head.T).topk(4).indices)
+
+
+def test_export_and_reload_round_trip(tmp_path):
+    target = tiny_model(2).float()
+    head = saved_head(tmp_path / "head", target, 2)
+    export_head(str(tmp_path / "head"), target, str(tmp_path / "eagle"), "eagle")
+    config = json.load(open(tmp_path / "eagle" / "config.json"))
+    assert (config["num_hidden_layers"], config["bias"], config["rope_theta"]) == (1, True, 1e4)
+    assert config["architectures"] == ["LlamaForCausalLMEagle"]          # SGLang's name
+    names = set(load_file(str(tmp_path / "eagle" / "model.safetensors")))
+    assert "layers.0.input_layernorm.weight" not in names
+    assert {"embed_tokens.weight", "fc.bias", "layers.0.self_attn.k_proj.weight"} <= names
+    back = read_eagle(str(tmp_path / "eagle"))
+    for name, w in head.state_dict().items():
+        if name != "vocab_ids":
+            assert torch.equal(back.state_dict()[name], w), name
+    feats = torch.randn(9, target.config.hidden_size)
+    tokens = torch.randint(0, target.config.vocab_size, (9,))
+    with torch.no_grad():
+        assert torch.equal(ours(back, target.embed.weight, feats, tokens),
+                           ours(head, target.embed.weight, feats, tokens))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("taps", "EAGLE-3"), ("input_norm", "RMS norm before attention"),
+    ("rope", "RoPE"), ("medusa", "holds medusa heads")])
+def test_a_head_the_format_cannot_express_is_refused_and_nothing_is_written(
+        tmp_path, case, message):
+    target = tiny_model(0).float()
+    folder = tmp_path / "head"
+    if case == "medusa":
+        from heads import MedusaHeads
+        c = target.config
+        save_head(MedusaHeads(c.hidden_size, 2, torch.arange(c.vocab_size)),
+                  HeadConfig("medusa", c.hidden_size, c.vocab_size, c.vocab_size, 2), str(folder))
+    else:
+        layer = eagle_layer_config(target.config)
+        extra = {"taps": dict(taps=[0]), "input_norm": dict(input_norm=True),
+                 "rope": dict(layer=layer | {"rope_theta": 5e5})}[case]
+        saved_head(folder, target, **extra)
+    with pytest.raises(LoadError, match=message):
+        export_head(str(folder), target, str(tmp_path / "out"), "eagle")
+    assert not os.path.exists(tmp_path / "out")
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".export")] == []
+
+
+def test_export_never_replaces_a_folder_with_files_unless_forced(tmp_path, capsys, monkeypatch):
+    target = tiny_model(0).float()
+    saved_head(tmp_path / "head", target)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    monkeypatch.setattr(train_heads, "load_model", lambda *a: target)
+    argv = ["export", str(tmp_path / "head"), str(out), "--format", "eagle"]
+    with pytest.raises(SystemExit) as e:
+        train_heads.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "--force" in err[0], err
+    assert os.listdir(out) == ["notes.txt"]
+    train_heads.main(argv + ["--force"])
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+
+
+def test_an_older_head_moves_to_eagles_layout_and_computes_about_the_same(tmp_path):
+    """train_heads --init on a head with an input norm: the norm folds into q, k and v at the
+    RMS its input has, and the RoPE base becomes EAGLE's: exact where that RMS is constant."""
+    target = tiny_model(3).float()
+    c = target.config
+    old_layer = eagle_layer_config(c) | {"rope_theta": 10000.0}     # the fold alone, first
+    old = saved_head(tmp_path / "old", target, 3, input_norm=True, layer=old_layer)
+    with torch.no_grad():
+        old.layers[0].attn_norm.weight.copy_(torch.rand(c.hidden_size) + 0.5)
+        old.fc.weight.zero_()             # the layer's input is fc's bias: a constant RMS
+    tokens = torch.randint(0, c.vocab_size, (1, 30))
+    _, hidden = target(tokens, torch.arange(30)[None], target.new_cache(1, 64))
+    seq = train_heads.Seq(tokens[0], hidden[0, :-1], 3)
+    config = HeadConfig("eagle", c.hidden_size, c.vocab_size, c.vocab_size, layer=old_layer,
+                        input_norm=True)
+    moved, moved_config = train_heads.to_eagle_layout(old, config, target.embed, [seq])
+    assert not moved_config.input_norm and moved_config.layer["rope_theta"] == 1e4
+    with torch.no_grad():
+        a = ours(old, target.embed.weight, hidden[0, :-1], tokens[0, 1:])
+        b = ours(moved, target.embed.weight, hidden[0, :-1], tokens[0, 1:])
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (a - b).abs().max()
+
+
+@pytest.mark.slow
+def test_the_shipped_head_moved_to_eagles_layout_drafts_the_same_in_the_eagle_authors_model(
+        default_path, tmp_path):
+    """At the real model's scale: the shipped head (the older layout) moved by to_eagle_layout
+    as --init moves it, exported, and run by the EAGLE authors' Model."""
+    from model import load_model
+    from tokenizer import load_tokenizer
+    target = load_model(default_path, torch.float32, "cpu")
+    tokens = torch.tensor([load_tokenizer(default_path).chat_prompt(
+        "Explain in a few sentences why the sky is blue, and why sunsets are red.")])
+    T = tokens.shape[1]
+    with torch.no_grad():
+        _, hidden = target(tokens, torch.arange(T)[None], target.new_cache(1, T + 8))
+    feats, next_tokens = hidden[0, :-1], tokens[0, 1:]
+    old, config = load_head(f"{WEIGHTS}/smollm2-135m-eagle", target, "eagle")
+    seq = train_heads.Seq(tokens[0], feats, T)
+    head, config = train_heads.to_eagle_layout(old.float(), config, target.embed, [seq])
+    save_head(head, config, str(tmp_path / "head"))
+    export_head(str(tmp_path / "head"), target, str(tmp_path / "eagle"), "eagle")
+    theirs = their_model(str(tmp_path / "eagle"))
+    head, _ = load_head(str(tmp_path / "head"), target, "eagle")          # as saved: 16-bit
+    with torch.no_grad():
+        want = theirs(feats[None], next_tokens[None])[0]
+        got = ours(head.float(), theirs.embed_tokens.weight, feats, next_tokens)
+        scale = want.abs().max()
+        assert (got - want).abs().max() < 1e-5 * scale, ((got - want).abs().max(), scale)
+        lm_head = target.lm_head.weight
+        assert torch.equal((got @ lm_head.T).topk(8).indices, (want @ lm_head.T).topk(8).indices)
+
+
+def test_a_draft_without_its_embedding_exports_as_a_whole_folder_transformers_loads(tmp_path):
+    from model import load_model
+    from test_spec import hf_checkpoint
+    hf = hf_checkpoint(tmp_path / "target")
+    target = load_model(str(tmp_path / "target"), torch.float32)
+    train_heads.save_draft(train_heads.init_draft(target, 1), str(tmp_path / "target"),
+                           str(tmp_path / "draft"), embeddings=False)
+    argv = ["export", str(tmp_path / "draft"), str(tmp_path / "whole"), "--format", "hf",
+            "--model", str(tmp_path / "target"), "--cache-dir", str(tmp_path / "cache")]
+    train_heads.main(argv)
+    whole = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "whole")).float()
+    embed = hf.model.embed_tokens.weight.bfloat16().float()              # the file holds 16 bits
+    assert torch.equal(whole.model.embed_tokens.weight, embed)
+    ours = load_model(str(tmp_path / "whole"), torch.float32)
+    ids = torch.randint(0, 97, (1, 12))
+    with torch.no_grad():
+        want = whole(ids).logits
+        got, _ = ours(ids, torch.arange(12)[None], ours.new_cache(1, 16))
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    with pytest.raises(LoadError, match="--format hf exports a distilled draft"):
+        check_export(f"{WEIGHTS}/smollm2-135m-eagle", str(tmp_path / "x"), "hf")
