@@ -111,6 +111,21 @@ def hf_config(reader) -> dict:
     }
 
 
+BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+              "use_regex": True}
+
+
+def bpe_tokenizer_json(vocab: dict, merges: list, added: list, pre_tokenizer: dict) -> dict:
+    """A Hugging Face tokenizer.json of a byte-level BPE model."""
+    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+            "normalizer": None, "pre_tokenizer": pre_tokenizer, "post_processor": None,
+            "decoder": BYTE_LEVEL | {"add_prefix_space": True},
+            "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                      "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                      "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                      "vocab": vocab, "merges": merges}}
+
+
 def hf_tokenizer(reader) -> tuple:
     """tokenizer.json and tokenizer_config.json for the GGUF's byte-level BPE vocabulary.
 
@@ -121,21 +136,9 @@ def hf_tokenizer(reader) -> tuple:
     control = [i for i, k in enumerate(kinds) if k == 3]   # llama.cpp's CONTROL tokens
     added = [{"id": i, "content": tokens[i], "single_word": False, "lstrip": False,
               "rstrip": False, "normalized": False, "special": True} for i in control]
-    tokenizer = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
-        "normalizer": None,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Digits", "individual_digits": True},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
-             "use_regex": True}]},
-        "post_processor": None,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
-                    "use_regex": True},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None,
-                  "continuing_subword_prefix": None, "end_of_word_suffix": None,
-                  "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": {t: i for i, t in enumerate(tokens)}, "merges": list(merges)},
-    }
+    digits = {"type": "Digits", "individual_digits": True}
+    tokenizer = bpe_tokenizer_json({t: i for i, t in enumerate(tokens)}, list(merges), added,
+                                   {"type": "Sequence", "pretokenizers": [digits, BYTE_LEVEL]})
     eos = tokens[reader.fields["tokenizer.ggml.eos_token_id"].contents()]
     config = {"chat_template": reader.fields["tokenizer.chat_template"].contents(),
               "eos_token": eos, "bos_token": tokens[reader.fields[

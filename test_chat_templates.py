@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from default_model import BYTE_LEVEL, bpe_tokenizer_json
 from tokenizer import TokenizerError, gpt2_byte_decoder, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -78,16 +79,7 @@ def write_tokenizer(folder, template, bos, eos, where="config"):
     added = [{"id": len(vocab) + i, "content": t, "special": True, "single_word": False,
               "lstrip": False, "rstrip": False, "normalized": False}
              for i, t in enumerate(SPECIALS)]
-    data = {"version": "1.0", "added_tokens": added, "normalizer": None,
-            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
-                              "use_regex": True},
-            "post_processor": None,
-            "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
-                        "use_regex": True},
-            "model": {"type": "BPE", "dropout": None, "unk_token": None,
-                      "continuing_subword_prefix": None, "end_of_word_suffix": None,
-                      "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                      "vocab": vocab, "merges": merges}}
+    data = bpe_tokenizer_json(vocab, merges, added, BYTE_LEVEL)
     folder.mkdir()
     (folder / "tokenizer.json").write_text(json.dumps(data))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos,
