@@ -86,6 +86,8 @@ def check_export(head_dir: str, out: str, fmt: str, force: bool = False) -> None
     """Everything that can be refused before the target is loaded (ValueError)."""
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt}: one of {', '.join(FORMATS)}")
+    if os.path.exists(out) and os.path.exists(head_dir) and os.path.samefile(out, head_dir):
+        raise ValueError(f"{out}: is the folder exported from; write the export elsewhere")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"{out}: exists and is not a folder")
     if os.path.isdir(out) and os.listdir(out) and not force:

@@ -146,6 +146,8 @@ EXPORT_CASES = [
     ([f"{WEIGHTS}/smollm2-135m-draft", "{out}/e", "--format", "hf"],
      "a draft of hidden size 576 and vocab 49152, but the target"),
     ([f"{WEIGHTS}/smollm2-135m-eagle"], "the following arguments are required: OUT"),
+    ([f"{WEIGHTS}/smollm2-135m-eagle", f"{WEIGHTS}/smollm2-135m-eagle", "--force"],
+     "is the folder exported from"),
 ]
 
 
