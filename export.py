@@ -1,6 +1,6 @@
 """Heads trained here, written in the formats that serving engines load.
 
-    python train_heads.py export weights/smollm2-135m-eagle eagle-out --format eagle
+    python train_heads.py export my-eagle eagle-out --format eagle
 
 EAGLE's format is the EAGLE authors' (eagle/model/cnets.py `Model`, loaded strictly): config.json
 (a LlamaConfig of one layer, `bias` for fc) and the tensors embed_tokens, fc and layers.0.* under
@@ -86,8 +86,13 @@ def check_export(head_dir: str, out: str, fmt: str, force: bool = False) -> None
     """Everything that can be refused before the target is loaded (ValueError)."""
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt}: one of {', '.join(FORMATS)}")
-    if os.path.exists(out) and os.path.exists(head_dir) and os.path.samefile(out, head_dir):
-        raise ValueError(f"{out}: is the folder exported from; write the export elsewhere")
+    real = os.path.realpath(out)
+    if os.path.islink(out):
+        raise ValueError(f"{out}: is a symbolic link; give the folder itself")
+    if os.path.commonpath([real, os.path.realpath(head_dir)]) == real or \
+            os.path.commonpath([real, os.getcwd()]) == real:
+        raise ValueError(f"{out}: holds the folder exported from or the current folder; write "
+                         "the export elsewhere")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"{out}: exists and is not a folder")
     if os.path.isdir(out) and os.listdir(out) and not force:

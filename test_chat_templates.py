@@ -55,6 +55,10 @@ TEMPLATES = {
         "{% set ns.n = ns.n + 1 %}{% if ns.n > 8 %}{% break %}{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}",
         "<s>", "<end_of_turn>"),
+    # Mistral v0.3's: tools only when given (transformers passes tools=None)
+    "tools": ("{% if tools is not none %}{{ '[AVAILABLE_TOOLS]' }}{% endif %}"
+              "{% for message in messages %}{{ message['content'] + '\n' }}{% endfor %}",
+              "<s>", "</s>"),
     # tool-calling templates write JSON: tojson keeps non-ASCII as it is
     "tojson": ("{% for message in messages %}{{ message | tojson }}\n{% endfor %}"
                "{{ {'next': 'assistant', 'ok': true} | tojson(indent=2) }}", "<s>", "</s>"),

@@ -147,7 +147,9 @@ EXPORT_CASES = [
      "a draft of hidden size 576 and vocab 49152, but the target"),
     ([f"{WEIGHTS}/smollm2-135m-eagle"], "the following arguments are required: OUT"),
     ([f"{WEIGHTS}/smollm2-135m-eagle", f"{WEIGHTS}/smollm2-135m-eagle", "--force"],
-     "is the folder exported from"),
+     "holds the folder exported from"),
+    ([f"{WEIGHTS}/smollm2-135m-eagle", WEIGHTS, "--force"], "holds the folder exported from"),
+    ([f"{WEIGHTS}/smollm2-135m-eagle", ".", "--force"], "holds the folder exported from"),
 ]
 
 

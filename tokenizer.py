@@ -180,7 +180,7 @@ def render_chat(template: str, turns: list, tokens: dict) -> str:
     messages = [{"role": role, "content": text} for role, text in turns]
     try:
         return env.from_string(template).render(messages=messages, add_generation_prompt=True,
-                                                **tokens)
+                                                tools=None, documents=None, **tokens)
     except jinja2.TemplateError as e:
         raise TokenizerError(f"the checkpoint's chat template failed: {e}") from None
 

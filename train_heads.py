@@ -12,7 +12,7 @@ Two stages, both resumable:
 At the end tau is measured with the real decoding loop on held-out prompts and written, with the
 data, steps, wall time and losses, to OUT/training.json.
 
-    python train_heads.py export weights/smollm2-135m-eagle OUT --format eagle
+    python train_heads.py export my-eagle OUT --format eagle
 
 writes a trained EAGLE head in the EAGLE authors' format, for serving engines (export.py).
 
@@ -919,8 +919,10 @@ def to_eagle_layout(head, config: HeadConfig, embed, seqs: list) -> tuple:
     base. An approximation, which the training that follows adapts to."""
     fc_out = []
     for s in seqs[:64]:
-        feats = head.fuse_features(s.features()[None].to(head.fc.weight))   # (1, n - 1, C)
-        x = head.fc(torch.cat([embed(s.tokens[None, 1:]).to(feats), feats], -1))
+        feats = head.fuse_features((s.features() if head.taps else s.hidden)[None]
+                                   .to(head.fc.weight))                     # (1, n - 1, C)
+        tokens = s.tokens[None, 1:].to(embed.weight.device)
+        x = head.fc(torch.cat([embed(tokens).to(feats), feats], -1))
         fc_out.append((x[0].pow(2).mean(-1) + config.layer["rms_eps"]).sqrt())   # (n - 1,)
     r = torch.cat(fc_out).mean()
     config = replace(config, input_norm=False,
