@@ -71,8 +71,8 @@ def eagle_tensors(head: EagleHead, embed: torch.Tensor) -> dict:
     """Our head's tensors under the EAGLE names; embed (V, C): the target's embedding, which
     their Model holds as embed_tokens."""
     layer = replace(head.layer_config, tie_embeddings=True)     # no lm_head of its own
-    ours = {"embed.weight": embed, "norm.weight": head.fc.bias,  # norm: a placeholder, dropped
-            "layers.0.attn_norm.weight": head.fc.bias}            # EAGLE's layer 0 has none
+    unused = torch.ones(layer.hidden_size)      # to_hf_names wants the norms a Llama has
+    ours = {"embed.weight": embed, "norm.weight": unused, "layers.0.attn_norm.weight": unused}
     ours |= {"layers.0." + k: v for k, v in head.layers[0].state_dict().items()}
     hf = to_hf_names(ours, layer)
     for k in ("model.norm.weight", "model.layers.0.input_layernorm.weight"):
@@ -114,12 +114,20 @@ def export_head(head_dir: str, target, out: str, fmt: str, force: bool = False) 
     replaced only with force."""
     check_export(head_dir, out, fmt, force)
     head, _ = load_head(head_dir, target, "eagle")
-    tmp = tempfile.mkdtemp(prefix=".export-", dir=os.path.dirname(os.path.abspath(out)))
-    try:
+
+    def fill(tmp: str) -> None:
         save_file(eagle_tensors(head, target.embed.weight), os.path.join(tmp, "model.safetensors"),
                   metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(eagle_config(head.layer_config), f, indent=1)
+    write_whole(out, fill)
+
+
+def write_whole(out: str, fill) -> None:
+    """fill(tmp) writes a folder beside out, which then replaces out: whole or not at all."""
+    tmp = tempfile.mkdtemp(prefix=".export-", dir=os.path.dirname(os.path.abspath(out)))
+    try:
+        fill(tmp)
         if os.path.exists(out):
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -140,19 +148,13 @@ def export_draft(draft_dir: str, target_folder: str, out: str, cache: str,
                         f"{draft.get('vocab_size')}, but the target {target_folder} has "
                         f"{target.get('hidden_size')} and {target.get('vocab_size')}")
     whole = draft_folder(draft_dir, target_folder, cache)
-    tmp = tempfile.mkdtemp(prefix=".export-", dir=os.path.dirname(os.path.abspath(out)))
-    try:
-        shutil.copytree(whole, tmp, dirs_exist_ok=True)
-        if os.path.exists(out):
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    write_whole(out, lambda tmp: shutil.copytree(whole, tmp, dirs_exist_ok=True))
 
 
 def read_eagle(folder: str) -> EagleHead:
-    """An EAGLE-format folder (ours or the EAGLE authors') as our EagleHead, in float32, over the
-    whole vocabulary (vocab_ids 0..V-1): the reload half of the round trip."""
+    """A folder export_head wrote, as our EagleHead in float32 over the whole vocabulary
+    (vocab_ids 0..V-1): the reload half of the round trip. (The EAGLE authors' own heads come
+    as pytorch_model.bin, without embed_tokens, sometimes without fc.bias: not read here.)"""
     try:
         with open(os.path.join(folder, "config.json")) as f:
             hf = json.load(f)

@@ -727,7 +727,7 @@ def export_flags(p) -> None:
     p.add_argument("--model", help="the target HF folder the head was trained for, whose "
                                    "embedding the export holds (default: the embedded model)")
     p.add_argument("--cache-dir", help="where the default model lives (default ~/.cache/spec-decode)")
-    p.add_argument("--device", help=argparse.SUPPRESS)
+    p.add_argument("--device", help=argparse.SUPPRESS)      # parse_flags resolves one; unused
 
 
 def export_command(args) -> None:
