@@ -124,15 +124,29 @@ def export_head(head_dir: str, target, out: str, fmt: str, force: bool = False) 
 
 
 def write_whole(out: str, fill) -> None:
-    """fill(tmp) writes a folder beside out, which then replaces out: whole or not at all."""
-    tmp = tempfile.mkdtemp(prefix=".export-", dir=os.path.dirname(os.path.abspath(out)))
+    """fill(tmp) writes a folder beside out, which then replaces out: whole or not at all. An
+    old out is moved aside first and deleted only once the new one is in place, so a failure
+    at any point leaves one of the two whole."""
+    parent = os.path.dirname(os.path.abspath(out))
+    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)          # a folder's usual mode, not mkdtemp's private 0700
+    old = None
     try:
         fill(tmp)
         if os.path.exists(out):
-            shutil.rmtree(out)
+            old = tempfile.mkdtemp(prefix=".replaced-", dir=parent)
+            os.replace(out, os.path.join(old, "out"))
         os.replace(tmp, out)
+    except BaseException:
+        if old and not os.path.exists(out):               # put the old one back
+            os.replace(os.path.join(old, "out"), out)
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def export_draft(draft_dir: str, target_folder: str, out: str, cache: str,

@@ -61,7 +61,8 @@ TEMPLATES = {
               "<s>", "</s>"),
     # tool-calling templates write JSON: tojson keeps non-ASCII as it is
     "tojson": ("{% for message in messages %}{{ message | tojson }}\n{% endfor %}"
-               "{{ {'next': 'assistant', 'ok': true} | tojson(indent=2) }}", "<s>", "</s>"),
+               "{{ {'next': 'assistant', 'ok': true} | tojson(indent=2) }}"
+               "{{ messages[-1] | tojson(ensure_ascii=True) }}", "<s>", "</s>"),
 }
 
 CHATS = {
@@ -86,9 +87,14 @@ def write_tokenizer(folder, template, bos, eos, where="config"):
     data = bpe_tokenizer_json(vocab, merges, added, BYTE_LEVEL)
     folder.mkdir()
     (folder / "tokenizer.json").write_text(json.dumps(data))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos,
-              "eos_token": {"__type": "AddedToken", "content": eos, "special": True},
-              "add_bos_token": False}
+    specials = {"bos_token": bos,
+                "eos_token": {"__type": "AddedToken", "content": eos, "special": True}}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False}
+    if where == "special_tokens_map":     # the special tokens only there, as older folders have
+        (folder / "special_tokens_map.json").write_text(json.dumps(specials))
+        where = "config"
+    else:
+        config |= specials
     if where == "config":
         config["chat_template"] = template
     elif where == "named":
@@ -124,9 +130,9 @@ def test_chat_ids_equal_transformers_apply_chat_template(tmp_path, name):
         assert ours.chat_ids(CHATS["one turn"], system="Be brief.") == want, name
 
 
-@pytest.mark.parametrize("where", ["jinja_file", "named"])
+@pytest.mark.parametrize("where", ["jinja_file", "named", "special_tokens_map"])
 def test_the_template_is_found_where_transformers_finds_it(tmp_path, where):
-    template, bos, eos = TEMPLATES["zephyr"]
+    template, bos, eos = TEMPLATES["mistral"]
     write_tokenizer(tmp_path / "tok", template, bos, eos, where)
     ours = load_tokenizer(str(tmp_path / "tok"))
     assert ours.chat_ids(CHATS["multi-turn"]) == reference_ids(tmp_path / "tok",

@@ -135,6 +135,29 @@ def test_export_never_replaces_a_folder_with_files_unless_forced(tmp_path, capsy
     assert os.listdir(out) == ["notes.txt"]
     train_heads.main(argv + ["--force"])
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(out).st_mode & 0o777 == 0o777 & ~umask, "mkdtemp's private mode was kept"
+
+
+def test_a_replacement_that_fails_at_the_rename_keeps_the_old_folder(tmp_path, monkeypatch):
+    """--force replaces an old export only once the new one is whole: a failure as the new
+    folder is renamed in puts the old one back, and no temporary folder is left."""
+    from export import write_whole
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    real_replace = os.replace
+
+    def failing(src, dst):
+        if os.path.basename(src).startswith(".export-"):
+            raise OSError("disk full")
+        real_replace(src, dst)
+    monkeypatch.setattr(os, "replace", failing)
+    with pytest.raises(OSError, match="disk full"):
+        write_whole(str(out), lambda tmp: (tmp_path / os.path.basename(tmp) / "new").write_text("x"))
+    assert os.listdir(out) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+    assert os.listdir(tmp_path) == ["out"], os.listdir(tmp_path)
 
 
 def test_an_older_head_moves_to_eagles_layout_and_computes_about_the_same(tmp_path):

@@ -173,8 +173,7 @@ def render_chat(template: str, turns: list, tokens: dict) -> str:
     and a tojson that keeps non-ASCII; the special tokens' strings as variables."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
-        x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = refuse_chat
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     messages = [{"role": role, "content": text} for role, text in turns]
@@ -183,6 +182,12 @@ def render_chat(template: str, turns: list, tokens: dict) -> str:
                                                 tools=None, documents=None, **tokens)
     except jinja2.TemplateError as e:
         raise TokenizerError(f"the checkpoint's chat template failed: {e}") from None
+
+
+def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' tojson filter: non-ASCII kept unless asked (jinja2's own escapes HTML)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 
 def refuse_chat(message: str):
@@ -202,8 +207,13 @@ def chat_template(folder: str, config: dict) -> str:
     return template
 
 
-def special_strings(config: dict) -> dict:
-    """tokenizer_config.json's special tokens (a string or {"content": ...}) by name."""
+def special_strings(folder: str, config: dict) -> dict:
+    """The special tokens' strings by name (a string or {"content": ...}), from
+    tokenizer_config.json and, as transformers reads older folders (no added_tokens_decoder),
+    special_tokens_map.json over it."""
+    path = os.path.join(folder, "special_tokens_map.json")
+    if "added_tokens_decoder" not in config and os.path.isfile(path):
+        config = config | read_json(path)
     names = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
              "mask_token")
     return {n: config[n]["content"] if isinstance(config[n], dict) else config[n]
@@ -240,7 +250,7 @@ def load_tokenizer(folder: str) -> Tokenizer:
     template = chat_template(folder, config)
     if template:                   # the checkpoint's own; the hand-written formats a fallback
         tok = replace(tok, chat_format="template", chat_template=template,
-                      template_tokens=special_strings(config))
+                      template_tokens=special_strings(folder, config))
     return tok
 
 
