@@ -9,6 +9,7 @@ import copy
 import hashlib
 import json
 import os
+import platform
 import shutil
 import statistics
 import sys
@@ -26,7 +27,7 @@ from heads import (best_paths, choose_tree_size, expected_length, load_head, pro
 from model import Llama, LlamaConfig, LoadError, RopeScaling, load_model, read_json
 from proposers import (DraftConfig, DraftModelProposer, EagleProposer, LookupEagleProposer,
                        MedusaProposer, PromptLookupProposer, SizeRule)
-from quantize import compiled, convert, quantize
+from quantize import compiled, convert, load_quantized, quantize
 from tokenizer import load_tokenizer
 from tree import static_tree
 
@@ -140,7 +141,11 @@ def load_target(tc: TargetConfig) -> tuple:
         target = random_model(tc.model.removeprefix(RANDOM), dtype, tc.device)
         return tc.model, quantize(target, form, head_form), None
     path = tc.model or default_model_path(tc.cache_dir)
-    target = quantize(load_model(path, dtype, tc.device), form, head_form)
+    if tc.model is None and form != "float":        # the default model's packed form, kept
+        keep = os.path.join(path, f"{form}-{head_form}-{tc.dtype}.safetensors")
+        target = load_quantized(path, dtype, tc.device, form, head_form, keep)
+    else:
+        target = quantize(load_model(path, dtype, tc.device), form, head_form)
     tokenizer = load_tokenizer(path)
     if tokenizer.vocab_size > target.config.vocab_size:    # its ids would index past the table
         raise LoadError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the model's "
@@ -184,15 +189,15 @@ def build_proposer(mc: MethodConfig, path: str, target, tokenizer, slots: int,
                    cache: str | None = None) -> tuple:
     """-> (proposer, info: what drafts and the memory it adds). path: the target's folder (a
     shipped draft takes its embeddings from it); slots: the caches' size; cache: the folder
-    for built files (default: the default model's cache)."""
+    for built files and --tree-size auto's timings (default: the default model's cache)."""
     if mc.method == "ngram":
         return build_ngram(mc)
     if mc.method == "draft":
         return build_draft(mc, path, target, tokenizer, slots, cache_dir(cache))
     if mc.method == "eagle2+ngram":
-        return build_lookup_eagle(mc, target, tokenizer, slots)
+        return build_lookup_eagle(mc, target, tokenizer, slots, cache_dir(cache))
     if mc.method in HEAD_KIND:
-        return build_head(mc, target, tokenizer, slots)
+        return build_head(mc, target, tokenizer, slots, cache=cache_dir(cache))
     raise ValueError(f"no proposer for method {mc.method!r}; methods: {', '.join(METHODS[1:])}")
 
 
@@ -230,18 +235,21 @@ def build_draft(mc: MethodConfig, path: str, target, tokenizer, slots: int, cach
                       "draft_memory_mb": round(extra / 2**20, 1)}
 
 
-def build_lookup_eagle(mc: MethodConfig, target, tokenizer, slots: int) -> tuple:
+def build_lookup_eagle(mc: MethodConfig, target, tokenizer, slots: int,
+                       cache: str | None = None) -> tuple:
     """EAGLE-2's tree plus the prompt-lookup chain as one more branch; the chain rides along in
     every verify pass, so --tree-size auto prices it in."""
     eagle, info = build_head(replace(mc, method="eagle2"), target, tokenizer, slots,
-                             extra=LOOKUP_DEPTH)
+                             extra=LOOKUP_DEPTH, cache=cache)
     lookup = PromptLookupProposer(LOOKUP_DEPTH, mc.ngram_max, by_match=True)
     return LookupEagleProposer(eagle, lookup), info
 
 
-def build_head(mc: MethodConfig, target, tokenizer, slots: int, extra: int = 0) -> tuple:
+def build_head(mc: MethodConfig, target, tokenizer, slots: int, extra: int = 0,
+               cache: str | None = None) -> tuple:
     """Medusa / EAGLE / EAGLE-2 from a trained head folder (default: the shipped weights).
-    extra: tokens verified beside the head's tree each step (a lookup chain), for auto's costs."""
+    extra: tokens verified beside the head's tree each step (a lookup chain), for auto's costs;
+    cache: the folder that keeps auto's verify timings (None: timed every time)."""
     kind = HEAD_KIND[mc.method]
     folder = head_folder(mc.heads, kind)
     head, config = load_head(folder, target, kind)
@@ -266,7 +274,7 @@ def build_head(mc: MethodConfig, target, tokenizer, slots: int, extra: int = 0) 
 
     rule = None
     if mc.tree_size == "auto":
-        size, rule = auto_tree_size(mc, target, tokenizer, accuracy, make, extra)
+        size, rule = auto_tree_size(mc, target, tokenizer, accuracy, make, extra, cache)
     else:
         size = mc.tree_size or mc.depth * mc.top_k                    # 0: as --help says
     proposer = make(per_step_most(mc.depth, mc.top_k) if rule else size, rule)
@@ -426,7 +434,8 @@ def per_step_most(depth: int, top_k: int) -> int:
     return min(top_k + (depth - 1) * top_k * top_k, AUTO_MAX)
 
 
-def auto_tree_size(mc: MethodConfig, target, tokenizer, accuracy, make, extra: int = 0) -> tuple:
+def auto_tree_size(mc: MethodConfig, target, tokenizer, accuracy, make, extra: int = 0,
+                   cache: str | None = None) -> tuple:
     """The tree size with the most expected tokens per second on this machine: the head's
     measured accuracies give the expected tokens per step of each size (as Medusa's tree
     search does), the verify cost and draft time measured now give the seconds. extra
@@ -437,7 +446,7 @@ def auto_tree_size(mc: MethodConfig, target, tokenizer, accuracy, make, extra: i
     if not accuracy:
         raise ValueError("--tree-size auto needs the head's measured accuracy table (config.json)")
     expected = {n: expected_length(accuracy, n) for n in range(1, AUTO_MAX + 1)}
-    costs = verify_costs(target)
+    costs = verify_costs(target, cache)
     draft_ms = draft_time(make(mc.depth), target, tokenizer)      # timed at size = depth
     drafting = draft_costs(mc.method, accuracy, draft_ms, mc.depth, expected)
     size, speed, verify_ms = choose_tree_size(expected, costs, drafting, extra)
@@ -493,13 +502,31 @@ def draft_time(proposer, target, tokenizer) -> float:
 
 
 NOISY = 1.5          # repeats of one size further apart than this: a burst of load
+COSTS_FILE = "verify-costs.json"
 
 
-def verify_costs(model, tries: int = 3) -> dict:
-    """{k: ms} of a target forward over k tokens, measured now, on this machine as it is: they
-    choose tree sizes only (with kernels that give a row the same bits in any call, no timing
-    changes a token), so a busy moment costs speed, never a different text. Timings whose
-    repeats disagree are taken again, and said in one line if they stay noisy."""
+def verify_costs(model, cache: str | None = None) -> dict:
+    """{k: ms} of a target forward over k tokens on this machine. They choose tree sizes only
+    (with kernels that give a row the same bits in any call, no timing changes a token), so
+    they are a one-time measurement: kept in cache/verify-costs.json per machine and model
+    shape when taken on a quiet machine, said in one line when taken."""
+    if cache is None:
+        return measure_verify_costs(model)[0]
+    path, key = os.path.join(cache, COSTS_FILE), cost_key(model)
+    kept = read_costs(path)
+    if key in kept:
+        return kept[key]
+    print(f"--tree-size auto: timing this machine's verify passes, once (kept in {path})",
+          file=sys.stderr)
+    costs, quiet = measure_verify_costs(model)
+    if quiet:                              # a busy moment's timings serve this run only
+        write_costs(path, kept | {key: costs})
+    return costs
+
+
+def measure_verify_costs(model, tries: int = 3) -> tuple:
+    """-> ({k: median ms}, whether the repeats agreed). Timings whose repeats disagree are
+    taken again, and said in one line if they stay noisy."""
     # beyond the last size timed the cost is taken as proportional, as on a CPU; a GPU's is
     # flat much further, so there the largest size a tree may need is timed too
     sizes = COST_SIZES if model.embed.weight.device.type == "cpu" else \
@@ -514,8 +541,55 @@ def verify_costs(model, tries: int = 3) -> dict:
     else:
         print("note: the machine is busy: --tree-size auto chose from noisy timings (the text "
               "is the same; the speed may not be the best)", file=sys.stderr)
-    times = min(tried, key=lambda st: st[0])[1]                   # the least noisy try
-    return {k: round(statistics.median(t) * 1000, 3) for k, t in times.items()}
+    spread, times = min(tried, key=lambda st: st[0])              # the least noisy try
+    return {k: round(statistics.median(t) * 1000, 3) for k, t in times.items()}, spread <= NOISY
+
+
+def cost_key(model) -> str:
+    """What a forward's cost depends on: the processor, torch, the threads, and the model's
+    shape, dtype and weight forms (not its weights' values)."""
+    w, c = model.embed.weight, model.config
+    where = (torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else
+             f"{processor_name()}, {torch.get_num_threads()} threads")
+    forms = "/".join(type(m).__name__ for m in (model.layers[0].mlp.w2, model.lm_head))
+    shape = (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
+             c.head_dim, c.vocab_size)
+    return (f"{where}; torch {torch.__version__}; {str(w.dtype).removeprefix('torch.')} "
+            f"{forms}; {'x'.join(map(str, shape))}")
+
+
+def processor_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        return f"{names[0]} x{len(names)}"
+    except (OSError, IndexError):
+        return f"{platform.processor() or platform.machine()} x{os.cpu_count()}"
+
+
+def read_costs(path: str) -> dict:
+    """{key: {k: ms}} kept so far; an unreadable file counts as empty (it is written anew)."""
+    try:
+        with open(path) as f:
+            kept = json.load(f)
+        return {key: {int(k): float(ms) for k, ms in costs.items()} for key, costs in kept.items()}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return {}
+
+
+def write_costs(path: str, kept: dict) -> None:
+    """Whole or not at all; a cache that cannot be written costs a measurement next time."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(kept, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def forward_costs(model, sizes, batch: int = 1, prefix: int = 128, repeats: int = 5) -> dict:

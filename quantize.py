@@ -17,15 +17,21 @@ by default_model.py) gets its original blocks back: `int4_blocks` recovers the f
 and its float16 d and m (tested against the GGUF file); the kernel then holds d and m + 8d in
 the activations' dtype.
 
+`load_quantized` keeps a model's quantized form in a file, so that packing it is one-time work.
 `compiled` is the other swap: a copy of a model whose decoder blocks run through torch.compile.
 """
 import copy
+import os
+import platform
+import sys
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import nn
 
-from model import Block
+from model import Block, Llama, LlamaConfig, load_model, read_json, safetensors_files
 
 WEIGHTS = ("float", "int8", "int4")
 GROUP = 32                                    # Q4_1's block length
@@ -38,13 +44,25 @@ class QuantizeError(ValueError):
 class Int8Linear(nn.Module):
     """y = x W^T + b with W held as int8 rows and one scale per row."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias=None):
         super().__init__()
+        self.register_buffer("q", q)                                        # (O, I) int8
+        self.register_buffer("scales", scales)                              # (O,)
+        self.bias = bias
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> "Int8Linear":
         w = linear.weight.detach().float()                                  # (O, I)
         scales = w.abs().amax(1).clamp(min=1e-12) / 127                     # (O,)
-        self.register_buffer("q", (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scales", scales.to(linear.weight.dtype))
-        self.bias = linear.bias
+        q = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+        return cls(q, scales.to(linear.weight.dtype), linear.bias)
+
+    @classmethod
+    def skeleton(cls, linear: nn.Linear) -> "Int8Linear":
+        """Empty buffers of linear's shape, for a kept form to be loaded into."""
+        O, I = linear.weight.shape
+        return cls(torch.empty(O, I, dtype=torch.int8),
+                   torch.empty(O, dtype=linear.weight.dtype), linear.bias)
 
     def forward(self, x):
         y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.q,
@@ -70,16 +88,29 @@ def int4_blocks(w: torch.Tensor, group: int = GROUP) -> tuple:
 class Int4Linear(nn.Module):
     """y = x W^T + b with W held as 4-bit groups: torch's CPU kernel, 16-bit activations."""
 
-    def __init__(self, linear: nn.Linear, group: int = GROUP):
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias=None,
+                 group: int = GROUP):
         super().__init__()
-        d, m, q = int4_blocks(linear.weight.detach(), group)
         self.group = group
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        self.register_buffer("packed", packed)                  # (O, I/2) uint8, two q a byte
+        self.register_buffer("scales_zeros", scales_zeros)      # (I/G, O, 2)
+        self.bias = bias
+
+    @classmethod
+    def of(cls, linear: nn.Linear, group: int = GROUP) -> "Int4Linear":
+        d, m, q = int4_blocks(linear.weight.detach(), group)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         # the kernel's form: w = (q - 8) * scale + zero, as (I/G, O, 2)
         zeros = m + 8 * d
-        self.register_buffer("scales_zeros", torch.stack([d, zeros], -1).transpose(0, 1)
-                             .contiguous().to(linear.weight.dtype))
-        self.bias = linear.bias
+        scales_zeros = torch.stack([d, zeros], -1).transpose(0, 1).contiguous()
+        return cls(packed, scales_zeros.to(linear.weight.dtype), linear.bias, group)
+
+    @classmethod
+    def skeleton(cls, linear: nn.Linear, group: int = GROUP) -> "Int4Linear":
+        """Empty buffers of linear's shape, for a kept form to be loaded into."""
+        O, I = linear.weight.shape
+        return cls(torch.empty(O, I // 2, dtype=torch.uint8),
+                   torch.empty(I // group, O, 2, dtype=linear.weight.dtype), linear.bias, group)
 
     def forward(self, x):
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -114,7 +145,7 @@ def convert(linear: nn.Linear, form: str, name: str) -> nn.Module:
     w = linear.weight
     if form == "float":
         return as_float32(linear) if (w.dtype, w.device.type) == (torch.float32, "cpu") else linear
-    if w.device.type != "cpu":
+    if w.device.type not in ("cpu", "meta"):
         raise QuantizeError(f"--weights {form}: layer {name} is on {w.device}; the weight-only "
                             f"kernels used here are torch's CPU ones: use --weights float")
     if w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -123,7 +154,8 @@ def convert(linear: nn.Linear, form: str, name: str) -> nn.Module:
     if form == "int4" and w.shape[1] % GROUP:
         raise QuantizeError(f"--weights int4: layer {name} has {w.shape[1]} inputs, not a "
                             f"multiple of the group size {GROUP}: use --weights float or int8")
-    return Int4Linear(linear) if form == "int4" else Int8Linear(linear)
+    kind = Int4Linear if form == "int4" else Int8Linear
+    return kind.skeleton(linear) if w.is_meta else kind.of(linear)    # meta: a kept form's
 
 
 def quantize(module: nn.Module, form: str, head_form: str | None = None) -> nn.Module:
@@ -138,6 +170,61 @@ def quantize(module: nn.Module, form: str, head_form: str | None = None) -> nn.M
                 chosen = head_form or form if full == "lm_head" else form
                 setattr(parent, name, convert(child, chosen, full))
     return module
+
+
+# ---------------------------------------------------------------- a kept quantized form
+
+def load_quantized(folder: str, dtype, device, form: str, head_form: str, keep: str) -> Llama:
+    """load_model(folder) in `form` (lm_head in `head_form`), read from the file `keep` where it
+    holds that form of this folder's weights for this torch and processor; else quantized here
+    and written there once, whole or not at all (packing the blocks is most of a start)."""
+    stamp = keep_stamp(folder, dtype, form, head_form)
+    model = read_kept(folder, keep, stamp, form, head_form)
+    if model is None:
+        print(f"Packing the model's {form} weights, once (kept in {keep})", file=sys.stderr)
+        model = quantize(load_model(folder, dtype, "cpu"), form, head_form)
+        write_kept(model, keep, stamp)
+    return model.to(device)
+
+
+def keep_stamp(folder: str, dtype, form: str, head_form: str) -> dict:
+    """What a kept file must have been made from: the weight files as they are now, and the
+    torch and processor whose kernels' layout it holds."""
+    files = [(os.path.basename(p), os.stat(p)) for p in safetensors_files(folder)]
+    source = ";".join(f"{name}:{st.st_size}:{st.st_mtime_ns}" for name, st in files)
+    return {"source": source, "torch": torch.__version__, "processor": platform.processor() or
+            platform.machine(), "dtype": str(dtype), "forms": f"{form}/{head_form}"}
+
+
+def read_kept(folder: str, keep: str, stamp: dict, form: str, head_form: str) -> Llama | None:
+    """The model from a kept file made from `stamp`; None where there is none, or another."""
+    try:
+        with safe_open(keep, framework="pt") as f:
+            if f.metadata() != stamp:
+                return None
+            # cloned: torch allocates aligned memory, which the kernels need (a tensor read
+            # from the file need not be aligned; the int8 kernel crashes on one that is not)
+            state = {name: f.get_tensor(name).clone() for name in f.keys()}
+    except (OSError, SafetensorError):
+        return None
+    config = LlamaConfig.from_hf(read_json(os.path.join(folder, "config.json"), "config.json"))
+    with torch.device("meta"):
+        model = quantize(Llama(config, init=False), form, head_form)
+    model.load_state_dict(state, assign=True)
+    return model.eval()
+
+
+def write_kept(model: Llama, keep: str, stamp: dict) -> None:
+    """Whole or not at all; where it cannot be written, the next start packs again."""
+    tmp = f"{keep}.{os.getpid()}.tmp"
+    try:
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp, metadata=stamp)
+        os.replace(tmp, keep)
+    except OSError:
+        pass
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 # ---------------------------------------------------------------- torch.compile

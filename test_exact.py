@@ -12,7 +12,7 @@ import torch
 from kernels import sample_at, uniform
 from methods import build_proposer, load_target, room
 from model import (Llama, LlamaConfig, RMSNorm, Rope, apply_rope, attend, attend_reference,
-                   round_up, tail_slots)
+                   load_model, round_up, tail_slots)
 from quantize import Float32Linear, Int4Linear, Int8Linear, QuantizeError, as_float32, quantize
 from decode import GenConfig, generate_ar, generate_spec
 from test_spec import chi_square_p, default_path  # noqa: F401 (default_path is a fixture)
@@ -45,8 +45,8 @@ def linear(o=1536, i=576, dtype=torch.bfloat16, seed=0) -> torch.nn.Linear:
 @torch.no_grad()
 @pytest.mark.parametrize("form", ["bf16", "int8", "int4", "float32"])
 def test_each_linear_form_gives_a_row_the_same_bits_in_any_call(form):
-    layer = {"bf16": lambda: linear(), "int8": lambda: Int8Linear(linear()),
-             "int4": lambda: Int4Linear(linear()),
+    layer = {"bf16": lambda: linear(), "int8": lambda: Int8Linear.of(linear()),
+             "int4": lambda: Int4Linear.of(linear()),
              "float32": lambda: as_float32(linear(dtype=torch.float32))}[form]()
     dtype = torch.float32 if form == "float32" else torch.bfloat16
     x = torch.randn(LARGEST_TREE, 576, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -179,6 +179,40 @@ def test_int4_refuses_what_it_cannot_hold():
         convert(linear(o=16, i=48), "int4", "w")
     with pytest.raises(QuantizeError, match="unknown weight form"):
         quantize(torch.nn.Sequential(), "int3")
+
+
+@torch.no_grad()
+def test_a_kept_quantized_form_is_the_same_model_and_is_made_again_when_stale(tmp_path, capsys):
+    """load_quantized keeps the packed form in a file: read back, it is the quantized model bit
+    for bit; weight files changed since, another torch or an unreadable file make it again."""
+    from quantize import load_quantized
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    folder, keep = str(tmp_path / "m"), str(tmp_path / "kept.safetensors")
+    ids, pos = torch.randint(0, 97, (1, 9)), torch.arange(9)[None]
+
+    def logits(model):
+        return model(ids, pos, model.new_cache(1, 64))[0]
+    made = quantize(load_model(folder, torch.bfloat16), "int4", "int8")
+
+    def load(stamped=True):
+        model = load_quantized(folder, torch.bfloat16, "cpu", "int4", "int8", keep)
+        said = capsys.readouterr().err
+        assert torch.equal(logits(model), logits(made))
+        assert isinstance(model.layers[1].mlp.w2, Int4Linear)
+        assert isinstance(model.lm_head, Int8Linear)
+        return said
+    assert "once" in load() and os.path.isfile(keep)
+    assert load() == "", "a kept form is read silently"
+    os.utime(os.path.join(folder, "model.safetensors"), ns=(1, 1))    # the weights changed
+    assert "once" in load()
+    with open(keep, "r+b") as f:
+        f.truncate(1000)
+    assert "once" in load() and load() == ""
+    assert sorted(os.listdir(tmp_path)) == ["kept.safetensors", "m"], "a temporary file left"
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -384,7 +418,7 @@ def test_int4_layers_are_the_gguf_files_own_q4_1_blocks(default_path, tmp_path):
             layer = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
             layer.weight.data = w
             x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(0))
-            got = Int4Linear(layer.to(torch.bfloat16))(x.bfloat16()).float()
+            got = Int4Linear.of(layer.to(torch.bfloat16))(x.bfloat16()).float()
             want = x @ w.T
             assert (got - want).norm() / want.norm() < 0.006, gguf_name   # measured 0.3-0.4%
 

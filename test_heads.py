@@ -65,7 +65,7 @@ def test_int8_drafts_use_the_quantized_weights_and_stay_lossless():
     from heads import projection
     from quantize import Int8Linear, convert, quantize
     w = torch.nn.Linear(32, 48)
-    layer = Int8Linear(w)
+    layer = Int8Linear.of(w)
     deq = layer.q.float() * layer.scales[:, None]
     assert layer.q.dtype == torch.int8
     assert (w.weight - deq).abs().le(layer.scales[:, None] / 2 + 1e-7).all()
@@ -770,8 +770,8 @@ def test_tree_size_auto_runs_end_to_end_and_stays_lossless(default_target, monke
     import methods
     target, tokenizer = default_target
     # a synthetic verify-cost curve: flat up to 8 tokens, then steep; no cache file written
-    monkeypatch.setattr(methods, "verify_costs", lambda model: {1: 20.0, 9: 21.0, 17: 60.0,
-                                                               49: 200.0})
+    monkeypatch.setattr(methods, "verify_costs", lambda model, cache: {1: 20.0, 9: 21.0,
+                                                                      17: 60.0, 49: 200.0})
     quiet = methods.method_config("eagle2", tree_size="auto")
     methods.build_head(quiet, target, tokenizer, 1024)
     assert capsys.readouterr().err == "", "the prices are shown with --verbose only"

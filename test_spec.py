@@ -888,6 +888,38 @@ def test_verify_curve_of_the_thin_shape(tmp_path, capsys):
     assert "1x512" in curve["ms"] and "8x64" in curve["ms"] and "vs 1 token" in captured.err
 
 
+def test_verify_costs_are_timed_once_per_machine_and_shape_on_a_quiet_machine(
+        tmp_path, monkeypatch, capsys):
+    """--tree-size auto's timings are a one-time measurement: taken with one line, kept per
+    machine and model shape, read back silently; a busy moment's timings serve one run and are
+    taken again next time; an unreadable file is measured anew."""
+    import methods
+    runs, noisy = [], []
+
+    def forward_times(model, sizes, repeats):
+        runs.append(1)
+        return {k: [0.010, 0.011, 0.030 if noisy else 0.012] for k in sizes}
+    monkeypatch.setattr(methods, "forward_times", forward_times)
+    path = tmp_path / methods.COSTS_FILE
+    model = tiny_model()
+    first = methods.verify_costs(model, str(tmp_path))
+    err = capsys.readouterr().err
+    assert len(runs) == 1 and err.count("\n") == 1 and "once" in err and str(path) in err
+    assert methods.verify_costs(model, str(tmp_path)) == first and len(runs) == 1
+    assert capsys.readouterr().err == "", "kept timings are read back silently"
+    methods.verify_costs(model.to(torch.float32), str(tmp_path))      # another dtype: its own
+    assert len(runs) == 2 and len(json.loads(path.read_text())) == 2
+    path.write_text("{not json")
+    noisy.append(True)
+    methods.verify_costs(model, str(tmp_path))
+    assert len(runs) == 5 and "busy" in capsys.readouterr().err
+    assert methods.read_costs(str(path)) == {}, "noisy timings were kept"
+    assert [p.name for p in tmp_path.iterdir()] == [methods.COSTS_FILE], "a temporary file left"
+    noisy.clear()
+    methods.verify_costs(model, str(tmp_path))
+    assert len(runs) == 6 and methods.verify_costs(model, str(tmp_path)) and len(runs) == 6
+
+
 def test_verify_costs_are_taken_again_when_the_repeats_disagree(monkeypatch, capsys):
     """A burst of load makes one repeat slow: the timings are measured again (up to three
     times), and said in one line when they stay noisy; clean ones are taken once, silently."""
