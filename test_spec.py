@@ -681,6 +681,10 @@ def test_tokenizer_refuses_ranks_out_of_merge_order(tmp_path):
     (tmp_path / "tokenizer.json").write_text(json.dumps(data))
     with pytest.raises(TokenizerError, match="merge 1 .* does not follow id order"):
         load_tokenizer(str(tmp_path))
+    data["model"] |= {"vocab": vocab | {"a b": 11}, "merges": []}     # a raw space: not GPT-2's
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(TokenizerError, match="token 'a b' \\(id 11\\) is not byte-level BPE"):
+        load_tokenizer(str(tmp_path))
 
 
 def test_mismatched_draft_tokenizer_is_a_clear_error(tmp_path, capsys):

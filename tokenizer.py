@@ -148,14 +148,14 @@ def ranks_from_hf(model: dict, specials: dict) -> dict:
     if model.get("type") != "BPE":
         raise TokenizerError(f"tokenizer model type {model.get('type')!r} is not BPE")
     table = gpt2_byte_decoder()
-    ranks = {}
-    for token, i in model["vocab"].items():
-        if token in specials:
-            continue
-        try:
-            ranks[bytes(table[ch] for ch in token)] = i
-        except KeyError:
-            raise TokenizerError(f"token {token!r} (id {i}) is not byte-level BPE") from None
+    tokens = {t: i for t, i in model["vocab"].items() if t not in specials}
+    stray = set("".join(tokens)) - table.keys()
+    if stray:
+        token = next(t for t in tokens if stray & set(t))
+        raise TokenizerError(f"token {token!r} (id {tokens[token]}) is not byte-level BPE")
+    # each stand-in character to the code point of its byte: latin-1 then writes that byte
+    to_bytes = {ord(ch): b for ch, b in table.items()}
+    ranks = {t.translate(to_bytes).encode("latin-1"): i for t, i in tokens.items()}
     vocab, last = model["vocab"], -1
     for n, m in enumerate(model["merges"]):
         a, b = m.split(" ", 1) if isinstance(m, str) else m
