@@ -26,7 +26,8 @@ from safetensors.torch import load_file, save_file
 
 from heads import EAGLE_ROPE_THETA, EagleHead, HeadConfig, load_head, read_head_config
 from methods import draft_folder
-from model import LlamaConfig, LoadError, read_json, to_hf_names, to_our_names
+from checkpoint import config_from_hf, read_json, to_hf_names, to_our_names
+from model import LlamaConfig, LoadError
 
 FORMATS = ("eagle", "hf")
 
@@ -176,7 +177,7 @@ def read_eagle(folder: str) -> EagleHead:
     except (OSError, json.JSONDecodeError, SafetensorError) as e:
         raise LoadError(f"{folder}: not an EAGLE folder ({e})") from None
     hf = hf | {"architectures": ["LlamaForCausalLM"]}          # a head of a Llama, all the same
-    layer = replace(LlamaConfig.from_hf(hf), num_layers=1, tie_embeddings=True)
+    layer = replace(config_from_hf(hf), num_layers=1, tie_embeddings=True)
     hf_names = {"model." + k: v for k, v in tensors.items() if k != "fc.weight" and k != "fc.bias"}
     hf_names |= {"model.norm.weight": torch.ones(layer.hidden_size),
                  "model.layers.0.input_layernorm.weight": torch.ones(layer.hidden_size)}

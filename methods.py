@@ -24,7 +24,8 @@ from decode import GenConfig, generate_spec
 from default_model import WEIGHTS, cache_dir, default_model_path
 from heads import (best_paths, choose_tree_size, expected_length, load_head, projection,
                    read_head_config, verify_cost)
-from model import Llama, LlamaConfig, LoadError, RopeScaling, load_model, read_json
+from checkpoint import load_model, read_json
+from model import Llama, LlamaConfig, LoadError, RopeScaling
 from proposers import (DraftConfig, DraftModelProposer, EagleProposer, LookupEagleProposer,
                        MedusaProposer, PromptLookupProposer, SizeRule)
 from quantize import compiled, convert, load_quantized, quantize

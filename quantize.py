@@ -31,7 +31,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from model import Block, Llama, LlamaConfig, load_model, read_json, safetensors_files
+from checkpoint import config_from_hf, load_model, read_json, safetensors_files
+from model import Block, Llama
 
 WEIGHTS = ("float", "int8", "int4")
 GROUP = 32                                    # Q4_1's block length
@@ -207,7 +208,7 @@ def read_kept(folder: str, keep: str, stamp: dict, form: str, head_form: str) ->
             state = {name: f.get_tensor(name).clone() for name in f.keys()}
     except (OSError, SafetensorError):
         return None
-    config = LlamaConfig.from_hf(read_json(os.path.join(folder, "config.json"), "config.json"))
+    config = config_from_hf(read_json(os.path.join(folder, "config.json"), "config.json"))
     with torch.device("meta"):
         model = quantize(Llama(config, init=False), form, head_form)
     model.load_state_dict(state, assign=True)

@@ -11,8 +11,9 @@ import torch
 
 from kernels import sample_at, uniform
 from methods import build_proposer, load_target, room
+from checkpoint import load_model
 from model import (Llama, LlamaConfig, RMSNorm, Rope, apply_rope, attend, attend_reference,
-                   load_model, round_up, tail_slots)
+                   round_up, tail_slots)
 from quantize import Float32Linear, Int4Linear, Int8Linear, QuantizeError, as_float32, quantize
 from decode import GenConfig, generate_ar, generate_spec
 from test_spec import chi_square_p, default_path  # noqa: F401 (default_path is a fixture)
@@ -430,7 +431,6 @@ def test_int4_model_agrees_with_the_float32_model(default_path):
     text. Measured (docs/RESULTS.md): 98.6% agreement (bf16 with float weights: 99.4%),
     perplexity 7.93 against 7.89."""
     import spec
-    from model import load_model
     from test_spec import TEXT, perplexity
     from tokenizer import load_tokenizer
     tok = load_tokenizer(default_path)

@@ -188,7 +188,7 @@ def test_the_shipped_head_moved_to_eagles_layout_drafts_the_same_in_the_eagle_au
         default_path, tmp_path):
     """At the real model's scale: the shipped head (the older layout) moved by to_eagle_layout
     as --init moves it, exported, and run by the EAGLE authors' Model."""
-    from model import load_model
+    from checkpoint import load_model
     from tokenizer import load_tokenizer
     target = load_model(default_path, torch.float32, "cpu")
     tokens = torch.tensor([load_tokenizer(default_path).chat_prompt(
@@ -214,7 +214,7 @@ def test_the_shipped_head_moved_to_eagles_layout_drafts_the_same_in_the_eagle_au
 
 
 def test_a_draft_without_its_embedding_exports_as_a_whole_folder_transformers_loads(tmp_path):
-    from model import load_model
+    from checkpoint import load_model
     from test_spec import hf_checkpoint
     hf = hf_checkpoint(tmp_path / "target")
     target = load_model(str(tmp_path / "target"), torch.float32)

@@ -485,7 +485,7 @@ def test_bench_table_arithmetic_on_a_synthetic_run():
 
 @pytest.fixture(scope="module")
 def default_target(default_path):
-    from model import load_model
+    from checkpoint import load_model
     from quantize import quantize
     from tokenizer import load_tokenizer
     return quantize(load_model(default_path, torch.float32), "float"), load_tokenizer(default_path)
@@ -653,7 +653,7 @@ def test_sampling_with_heads_runs_through_tree_verification_and_is_seeded(kind):
 @pytest.mark.parametrize("case", ["attention_bias", "gqa_untied"])
 def test_hf_names_round_trip_to_the_checkpoint(tmp_path, case):
     from safetensors.torch import load_file
-    from model import load_model, to_hf_names
+    from checkpoint import load_model, to_hf_names
     from test_spec import HF_CASES, hf_checkpoint
     hf_checkpoint(tmp_path, **HF_CASES[case])
     ours = load_model(str(tmp_path), torch.float64)
@@ -670,7 +670,7 @@ def test_distilled_draft_trains_and_saves_a_folder_transformers_loads(tmp_path):
     import train_heads as th
     from methods import draft_folder
     from train_heads import init_draft, save_draft
-    from model import load_model
+    from checkpoint import load_model
     from proposers import DraftModelProposer
     from test_spec import hf_checkpoint
     hf_checkpoint(tmp_path / "target", tie_word_embeddings=True)

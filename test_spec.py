@@ -11,7 +11,8 @@ import torch
 
 import kernels
 from kernels import accept_chain_sampled, accept_tree, sample
-from model import KVCache, Llama, LlamaConfig, LoadError, load_model
+from checkpoint import load_model
+from model import KVCache, Llama, LlamaConfig, LoadError
 from proposers import DraftModelProposer
 from decode import GenConfig, generate_ar, generate_spec
 from tree import (Tree, ancestor_mask, chain, grow_tree, make_tree, positions, retrieve_indices,

@@ -45,7 +45,8 @@ from heads import (EAGLE_ROPE_THETA, HeadConfig, best_paths, build_head, eagle_l
                    load_head, projection_rows, read_head_config, save_head, write_json)
 from kernels import attention_mask
 from methods import DRAFT_VOCAB, parse_flags
-from model import KVCache, Llama, LlamaConfig, load_model, to_hf_names
+from checkpoint import load_model, to_hf_names
+from model import KVCache, Llama, LlamaConfig
 from proposers import DraftConfig, DraftModelProposer, EagleProposer, MedusaProposer
 from tokenizer import load_tokenizer
 from tree import static_tree

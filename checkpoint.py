@@ -1,0 +1,201 @@
+"""Hugging Face Llama checkpoints: config.json read into a LlamaConfig (refusing what the model
+cannot run), safetensors loaded into our Llama (q/k/v and gate/up fused, every tensor's name
+and shape checked), and our tensors named back as HF's for saving.
+"""
+import json
+import os
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from model import Llama, LlamaConfig, LoadError, RopeScaling
+
+
+def config_from_hf(hf: dict) -> LlamaConfig:
+    """Read a Hugging Face config.json dict; refuse what this model cannot run."""
+    arch = hf.get("architectures") or ["LlamaForCausalLM"]
+    if hf.get("model_type", "llama") != "llama" or arch[0] != "LlamaForCausalLM":
+        raise LoadError(f"unsupported architecture {arch[0]!r} (model_type "
+                        f"{hf.get('model_type')!r}): only LlamaForCausalLM is supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise LoadError(f"unsupported hidden_act {hf['hidden_act']!r}: only silu")
+    if hf.get("mlp_bias", False):
+        raise LoadError("unsupported config: mlp_bias=true")
+    # transformers 4 writes rope_theta and rope_scaling; transformers 5 one rope_parameters.
+    rs = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    theta = rs.get("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = None
+    if rs:
+        kind = rs.get("rope_type", rs.get("type", "default"))
+        if kind == "llama3":
+            fields = ("factor", "low_freq_factor", "high_freq_factor",
+                      "original_max_position_embeddings")
+            if any(f not in rs for f in fields):
+                raise LoadError(f"rope_scaling llama3 needs {', '.join(fields)}")
+            scaling = RopeScaling(*(rs[f] for f in fields))
+        elif kind != "default":
+            raise LoadError(f"unsupported rope_scaling type {kind!r}: only 'llama3' and none")
+    try:
+        return LlamaConfig(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+                           intermediate_size=hf["intermediate_size"],
+                           num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+                           num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+                           head_dim=hf.get("head_dim") or 0, rms_eps=hf.get("rms_norm_eps", 1e-6),
+                           rope_theta=theta, rope_scaling=scaling,
+                           max_positions=hf.get("max_position_embeddings", 2048),
+                           tie_embeddings=hf.get("tie_word_embeddings", False),
+                           attention_bias=hf.get("attention_bias", False))
+    except KeyError as e:
+        raise LoadError(f"the field {e.args[0]!r} is missing") from None
+
+
+def hf_tensor_shapes(c: LlamaConfig) -> dict:
+    """The tensors a HF Llama checkpoint must hold for this config, name -> shape."""
+    C, D = c.hidden_size, c.head_dim
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, C), "model.norm.weight": (C,)}
+    if not c.tie_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, C)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (C,), p + "post_attention_layernorm.weight": (C,),
+                   p + "self_attn.q_proj.weight": (c.num_heads * D, C),
+                   p + "self_attn.k_proj.weight": (c.num_kv_heads * D, C),
+                   p + "self_attn.v_proj.weight": (c.num_kv_heads * D, C),
+                   p + "self_attn.o_proj.weight": (C, c.num_heads * D),
+                   p + "mlp.gate_proj.weight": (c.intermediate_size, C),
+                   p + "mlp.up_proj.weight": (c.intermediate_size, C),
+                   p + "mlp.down_proj.weight": (C, c.intermediate_size)}
+        if c.attention_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (c.num_heads * D,),
+                       p + "self_attn.k_proj.bias": (c.num_kv_heads * D,),
+                       p + "self_attn.v_proj.bias": (c.num_kv_heads * D,)}
+    return shapes
+
+
+def to_our_names(hf: dict, c: LlamaConfig) -> dict:
+    """Rename HF tensors to this model's names, fusing q/k/v and gate/up."""
+    sd = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    sd["lm_head.weight"] = hf["model.embed_tokens.weight" if c.tie_embeddings else "lm_head.weight"]
+    for i in range(c.num_layers):
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+        a = p + "self_attn."
+        sd[o + "attn_norm.weight"] = hf[p + "input_layernorm.weight"]
+        sd[o + "mlp_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
+        sd[o + "attn.wqkv.weight"] = torch.cat([hf[a + n + "_proj.weight"] for n in "qkv"])
+        if c.attention_bias:
+            sd[o + "attn.wqkv.bias"] = torch.cat([hf[a + n + "_proj.bias"] for n in "qkv"])
+        sd[o + "attn.wo.weight"] = hf[a + "o_proj.weight"]
+        if c.attention_bias:
+            zero = hf[a + "o_proj.weight"].new_zeros(c.hidden_size)
+            sd[o + "attn.wo.bias"] = hf.get(a + "o_proj.bias", zero)
+        sd[o + "mlp.w13.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"],
+                                              hf[p + "mlp.up_proj.weight"]])
+        sd[o + "mlp.w2.weight"] = hf[p + "mlp.down_proj.weight"]
+    return sd
+
+
+
+def to_hf_names(sd: dict, c: LlamaConfig) -> dict:
+    """Inverse of to_our_names: this model's tensors -> HF Llama names (for saving drafts)."""
+    D = c.head_dim
+    q, kv = c.num_heads * D, c.num_kv_heads * D
+    hf = {"model.embed_tokens.weight": sd["embed.weight"], "model.norm.weight": sd["norm.weight"]}
+    if not c.tie_embeddings:
+        hf["lm_head.weight"] = sd["lm_head.weight"]
+    for i in range(c.num_layers):
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+        a = p + "self_attn."
+        hf[p + "input_layernorm.weight"] = sd[o + "attn_norm.weight"]
+        hf[p + "post_attention_layernorm.weight"] = sd[o + "mlp_norm.weight"]
+        for name, part in zip("qkv", sd[o + "attn.wqkv.weight"].split([q, kv, kv])):
+            hf[a + name + "_proj.weight"] = part
+        if c.attention_bias:
+            for name, part in zip("qkv", sd[o + "attn.wqkv.bias"].split([q, kv, kv])):
+                hf[a + name + "_proj.bias"] = part
+            hf[a + "o_proj.bias"] = sd[o + "attn.wo.bias"]
+        hf[a + "o_proj.weight"] = sd[o + "attn.wo.weight"]
+        gate, up = sd[o + "mlp.w13.weight"].split([c.intermediate_size] * 2)
+        hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"] = gate, up
+        hf[p + "mlp.down_proj.weight"] = sd[o + "mlp.w2.weight"]
+    return {k: v.contiguous() for k, v in hf.items()}
+
+def read_json(path: str, what: str) -> dict:
+    if not os.path.isfile(path):
+        raise LoadError(f"{what} not found: {path}")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise LoadError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise LoadError(f"{path}: expected a JSON object")
+    return data
+
+
+def safetensors_files(folder: str) -> list:
+    """The weight files of a HF folder: one model.safetensors, or the shards its index names."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        names = sorted(set(read_json(index, "shard index")["weight_map"].values()))
+        return [os.path.join(folder, n) for n in names]
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise LoadError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+
+
+def read_safetensors(files: list, dtype) -> dict:
+    """All tensors of the files, cast to dtype; a truncated or corrupt file names itself."""
+    tensors = {}
+    for path in files:
+        if not os.path.isfile(path):
+            raise LoadError(f"weight file not found: {path}")
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    tensors[name] = f.get_tensor(name).to(dtype)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise LoadError(f"cannot read {path} (truncated or corrupt?): {e}") from None
+    return tensors
+
+
+def check_tensors(tensors: dict, c: LlamaConfig) -> None:
+    """Every expected tensor present with its shape, nothing unexpected: else one clear error."""
+    expected = hf_tensor_shapes(c)
+    tolerated = {"lm_head.weight"} if c.tie_embeddings else set()   # some tied checkpoints keep it
+    if c.attention_bias:                                             # optional: absent means zero
+        tolerated |= {f"model.layers.{i}.self_attn.o_proj.bias" for i in range(c.num_layers)}
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(n for n in set(tensors) - set(expected) - tolerated
+                   if not n.endswith("rotary_emb.inv_freq"))
+    if missing:
+        raise LoadError(f"checkpoint lacks tensor {missing[0]}" +
+                        (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    if extra:
+        raise LoadError(f"checkpoint has unexpected tensor {extra[0]}" +
+                        (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "") +
+                        ": not a plain Llama for this config.json?")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise LoadError(f"tensor {name} has shape {tuple(tensors[name].shape)}, "
+                            f"config.json implies {shape}")
+
+
+def load_model(folder: str, dtype=torch.float32, device="cpu") -> Llama:
+    """Load a Hugging Face Llama folder (config.json + safetensors, sharded or not)."""
+    if not os.path.isdir(folder):
+        raise LoadError(f"model folder not found: {folder}")
+    path = os.path.join(folder, "config.json")
+    hf = read_json(path, "config.json")               # its own errors name the file
+    try:
+        config = config_from_hf(hf)
+    except LoadError as e:
+        raise LoadError(f"{path}: {e}") from None
+    tensors = read_safetensors(safetensors_files(folder), dtype)
+    check_tensors(tensors, config)
+    with torch.device("meta"):
+        model = Llama(config, init=False)
+    model.load_state_dict(to_our_names(tensors, config), assign=True)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    return model.to(device).eval()
