@@ -6,7 +6,6 @@ prompts (Spec-Bench's `turns`) continue each method's own conversation.
 """
 import json
 import os
-import platform
 import sys
 import time
 from dataclasses import dataclass, field
@@ -16,7 +15,8 @@ from tqdm import tqdm
 
 from decode import GenConfig, Result
 from default_model import WEIGHTS, cache_dir
-from methods import TargetConfig, draft_folder, forward_costs, load_target, module_bytes
+from methods import (TargetConfig, draft_folder, forward_costs, load_target, machine_name,
+                     module_bytes)
 
 
 COMPILED = "+compile"                # --bench --compile: the compiled twin of each method
@@ -380,21 +380,3 @@ def verify_curve(tc: TargetConfig) -> dict:
     return {"machine": machine_name(tc.device), "dtype": tc.dtype, "device": tc.device,
             "model": path,
             "ms": {f"{b}x{k}": t for b, ms in curves.items() for k, t in ms.items()}}
-
-
-def machine_name(device: str) -> str:
-    """The CPU's (or GPU's) name and the thread count; for a CPU also its family and model
-    numbers, since a virtual machine may name very different Xeons alike."""
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as f:
-            fields = dict(ln.split(":", 1) for ln in f.read().split("\n\n")[0].splitlines()
-                          if ":" in ln)
-    except OSError:
-        fields = {}
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
-    name = fields.get("model name") or platform.processor() or platform.machine()
-    if "cpu family" in fields:
-        name += f" ({fields['cpu family']}/{fields.get('model', '?')})"
-    return f"{name} x{torch.get_num_threads()}"

@@ -550,8 +550,7 @@ def cost_key(model) -> str:
     """What a forward's cost depends on: the processor, torch, the threads, and the model's
     shape, dtype and weight forms (not its weights' values)."""
     w, c = model.embed.weight, model.config
-    where = (torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else
-             f"{processor_name()}, {torch.get_num_threads()} threads")
+    where = machine_name(str(w.device))
     forms = "/".join(type(m).__name__ for m in (model.layers[0].mlp.w2, model.lm_head))
     shape = (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
              c.head_dim, c.vocab_size)
@@ -559,13 +558,22 @@ def cost_key(model) -> str:
             f"{forms}; {'x'.join(map(str, shape))}")
 
 
-def processor_name() -> str:
+def machine_name(device: str) -> str:
+    """The CPU's (or GPU's) name and the thread count; for a CPU also its family and model
+    numbers, since a virtual machine may name very different Xeons alike."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(device)
     try:
         with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        return f"{names[0]} x{len(names)}"
-    except (OSError, IndexError):
-        return f"{platform.processor() or platform.machine()} x{os.cpu_count()}"
+            fields = dict(ln.split(":", 1) for ln in f.read().split("\n\n")[0].splitlines()
+                          if ":" in ln)
+    except OSError:
+        fields = {}
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields:
+        name += f" ({fields['cpu family']}/{fields.get('model', '?')})"
+    return f"{name} x{torch.get_num_threads()}"
 
 
 def read_costs(path: str) -> dict:

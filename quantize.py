@@ -22,7 +22,6 @@ the activations' dtype.
 """
 import copy
 import os
-import platform
 import sys
 
 import torch
@@ -177,8 +176,8 @@ def quantize(module: nn.Module, form: str, head_form: str | None = None) -> nn.M
 
 def load_quantized(folder: str, dtype, device, form: str, head_form: str, keep: str) -> Llama:
     """load_model(folder) in `form` (lm_head in `head_form`), read from the file `keep` where it
-    holds that form of this folder's weights for this torch and processor; else quantized here
-    and written there once, whole or not at all (packing the blocks is most of a start)."""
+    holds that form of this folder's weights for this torch and instruction set; else quantized
+    here and written there once, whole or not at all (packing the blocks is most of a start)."""
     stamp = keep_stamp(folder, dtype, form, head_form)
     model = read_kept(folder, keep, stamp, form, head_form)
     if model is None:
@@ -190,11 +189,12 @@ def load_quantized(folder: str, dtype, device, form: str, head_form: str, keep: 
 
 def keep_stamp(folder: str, dtype, form: str, head_form: str) -> dict:
     """What a kept file must have been made from: the weight files as they are now, and the
-    torch and processor whose kernels' layout it holds."""
+    torch and instruction set whose kernels' layout it holds."""
     files = [(os.path.basename(p), os.stat(p)) for p in safetensors_files(folder)]
     source = ";".join(f"{name}:{st.st_size}:{st.st_mtime_ns}" for name, st in files)
-    return {"source": source, "torch": torch.__version__, "processor": platform.processor() or
-            platform.machine(), "dtype": str(dtype), "forms": f"{form}/{head_form}"}
+    return {"source": source, "torch": torch.__version__, "dtype": str(dtype),
+            "cpu": torch.backends.cpu.get_cpu_capability(),     # the kernels' instruction set
+            "forms": f"{form}/{head_form}"}
 
 
 def read_kept(folder: str, keep: str, stamp: dict, form: str, head_form: str) -> Llama | None:
