@@ -7,6 +7,7 @@ import os
 
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from model import Llama, LlamaConfig, LoadError, RopeScaling
 
@@ -94,7 +95,6 @@ def to_our_names(hf: dict, c: LlamaConfig) -> dict:
     return sd
 
 
-
 def to_hf_names(sd: dict, c: LlamaConfig) -> dict:
     """Inverse of to_our_names: this model's tensors -> HF Llama names (for saving drafts)."""
     D = c.head_dim
@@ -119,7 +119,9 @@ def to_hf_names(sd: dict, c: LlamaConfig) -> dict:
         hf[p + "mlp.down_proj.weight"] = sd[o + "mlp.w2.weight"]
     return {k: v.contiguous() for k, v in hf.items()}
 
+
 def read_json(path: str, what: str) -> dict:
+    """A JSON object from path; a missing file, invalid JSON or another type names the file."""
     if not os.path.isfile(path):
         raise LoadError(f"{what} not found: {path}")
     try:
@@ -199,3 +201,10 @@ def load_model(folder: str, dtype=torch.float32, device="cpu") -> Llama:
     if config.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     return model.to(device).eval()
+
+
+def save_tensors(tensors: dict, path: str, metadata: dict | None = None) -> None:
+    """safetensors' save_file, the file then readable as its folder is: save_file makes every
+    file private (0600), which another user of a shared cache, or an engine, cannot read."""
+    save_file(tensors, path, metadata=metadata)
+    os.chmod(path, os.stat(os.path.dirname(os.path.abspath(path))).st_mode & 0o666)

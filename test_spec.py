@@ -912,7 +912,7 @@ def test_verify_costs_are_timed_once_per_machine_and_shape_on_a_quiet_machine(
     assert len(runs) == 1 and err.count("\n") == 1 and "once" in err and str(path) in err
     assert methods.verify_costs(model, str(tmp_path)) == first and len(runs) == 1
     assert capsys.readouterr().err == "", "kept timings are read back silently"
-    methods.verify_costs(model.to(torch.float32), str(tmp_path))      # another dtype: its own
+    methods.verify_costs(tiny_model().float(), str(tmp_path))         # another dtype: its own
     assert len(runs) == 2 and len(json.loads(path.read_text())) == 2
     path.write_text("{not json")
     noisy.append(True)
@@ -922,7 +922,11 @@ def test_verify_costs_are_timed_once_per_machine_and_shape_on_a_quiet_machine(
     assert [p.name for p in tmp_path.iterdir()] == [methods.COSTS_FILE], "a temporary file left"
     noisy.clear()
     methods.verify_costs(model, str(tmp_path))
-    assert len(runs) == 6 and methods.verify_costs(model, str(tmp_path)) and len(runs) == 6
+    kept = methods.verify_costs(model, str(tmp_path))
+    assert len(runs) == 6 and sorted(kept) == sorted(methods.COST_SIZES)
+    monkeypatch.setattr(methods, "machine_name", lambda device: "another machine")
+    methods.verify_costs(model, str(tmp_path))
+    assert len(runs) == 7, "another machine's timings were used"
 
 
 def test_verify_costs_are_taken_again_when_the_repeats_disagree(monkeypatch, capsys):

@@ -246,11 +246,12 @@ def load_tokenizer(folder: str) -> Tokenizer:
     else:
         raise TokenizerError(f"no tokenizer.json or original/tokenizer.model in {folder}")
     enc, vocab_size, digest = build(ranks, specials, pattern, os.path.basename(folder))
-    tok = with_chat_format(enc, vocab_size, specials, config, pattern, digest)
+    strings = special_strings(folder, config)
+    tok = with_chat_format(enc, vocab_size, specials, strings.get("eos_token"), pattern, digest)
     template = chat_template(folder, config)
     if template:                   # the checkpoint's own; the hand-written formats a fallback
         tok = replace(tok, chat_format="template", chat_template=template,
-                      template_tokens=special_strings(folder, config))
+                      template_tokens=strings)
     return tok
 
 
@@ -265,9 +266,10 @@ def read_json(path: str) -> dict:
     return data
 
 
-def with_chat_format(enc, vocab_size, specials, config, pattern, digest) -> Tokenizer:
+def with_chat_format(enc, vocab_size, specials, eos, pattern, digest) -> Tokenizer:
     """Pick the stop tokens, and the chat format for a checkpoint without a template, from the
-    special tokens the checkpoint has."""
+    special tokens the checkpoint has; eos: its end-of-sequence token's string (the stop token
+    where neither format applies)."""
     common = dict(encoding=enc, vocab_size=vocab_size, pattern=pattern, merges_digest=digest)
     if "<|im_start|>" in specials:
         stops = [specials[t] for t in ("<|im_end|>", "<|endoftext|>") if t in specials]
@@ -277,6 +279,5 @@ def with_chat_format(enc, vocab_size, specials, config, pattern, digest) -> Toke
                  if t in specials]
         return Tokenizer(chat_format="llama3", stop_ids=tuple(stops),
                          bos_id=specials.get("<|begin_of_text|>"), **common)
-    eos = config.get("eos_token")
-    stops = [specials[eos]] if isinstance(eos, str) and eos in specials else []
+    stops = [specials[eos]] if eos in specials else []
     return Tokenizer(chat_format="none", stop_ids=tuple(stops), **common)

@@ -38,6 +38,7 @@ from torch import nn
 from tqdm import tqdm
 
 from bench import jsonl_rows
+from checkpoint import load_model, to_hf_names
 from decode import GenConfig, generate_spec
 from default_model import cache_dir, default_model_path
 from export import FORMATS, check_export, export_draft, export_head
@@ -45,7 +46,6 @@ from heads import (EAGLE_ROPE_THETA, HeadConfig, best_paths, build_head, eagle_l
                    load_head, projection_rows, read_head_config, save_head, write_json)
 from kernels import attention_mask
 from methods import DRAFT_VOCAB, parse_flags
-from checkpoint import load_model, to_hf_names
 from model import KVCache, Llama, LlamaConfig
 from proposers import DraftConfig, DraftModelProposer, EagleProposer, MedusaProposer
 from tokenizer import load_tokenizer
