@@ -204,7 +204,12 @@ def load_model(folder: str, dtype=torch.float32, device="cpu") -> Llama:
 
 
 def save_tensors(tensors: dict, path: str, metadata: dict | None = None) -> None:
-    """safetensors' save_file, the file then readable as its folder is: save_file makes every
-    file private (0600), which another user of a shared cache, or an engine, cannot read."""
+    """safetensors' save_file, the file then readable by whom its folder is: save_file makes
+    every file private (0600), which another user of a shared cache, or an engine, cannot read.
+    Only read bits are given (never write), and the owner's read and write always."""
     save_file(tensors, path, metadata=metadata)
-    os.chmod(path, os.stat(os.path.dirname(os.path.abspath(path))).st_mode & 0o666)
+    folder = os.stat(os.path.dirname(os.path.abspath(path))).st_mode
+    try:
+        os.chmod(path, folder & 0o444 | 0o600)
+    except OSError:                        # a file system without modes: it stays as written
+        pass

@@ -131,7 +131,7 @@ def write_whole(out: str, fill) -> None:
     parent = os.path.dirname(os.path.abspath(out))
     tmp = os.path.join(parent, f".export-{os.getpid()}-{time.time_ns()}")
     os.mkdir(tmp)                        # a folder's usual mode (mkdtemp's is private, 0700)
-    aside, placed = tmp.replace(".export-", ".replaced-"), False
+    aside, placed = os.path.join(parent, f".replaced-{os.getpid()}-{time.time_ns()}"), False
     try:
         fill(tmp)
         moved = os.path.exists(out)

@@ -26,10 +26,11 @@ from decode import GenConfig, generate_spec
 from default_model import WEIGHTS, cache_dir, default_model_path
 from heads import (best_paths, choose_tree_size, expected_length, load_head, projection,
                    read_head_config, verify_cost)
+from kernels import attention_mask
 from model import Llama, LlamaConfig, LoadError, RopeScaling
 from proposers import (DraftConfig, DraftModelProposer, EagleProposer, LookupEagleProposer,
                        MedusaProposer, PromptLookupProposer, SizeRule)
-from quantize import compiled, convert, load_quantized, quantize
+from quantize import compiled, convert, load_quantized, quantize, source_digest
 from tokenizer import load_tokenizer
 from tree import static_tree
 
@@ -513,9 +514,10 @@ def verify_costs(model, cache: str | None = None) -> dict:
     (with kernels that give a row the same bits in any call, no timing changes a token), so
     they are a one-time measurement: kept in cache/verify-costs.json per machine, code and
     model shape when taken on a quiet machine (delete the file to time them again)."""
-    if cache is None:
+    key = cost_key(model)
+    if cache is None or key is None:
         return measure_verify_costs(model)[0]
-    path, key = os.path.join(cache, COSTS_FILE), cost_key(model)
+    path = os.path.join(cache, COSTS_FILE)
     kept = read_costs(path)
     if set(cost_sizes(model)) <= set(kept.get(key, ())):
         return kept[key]
@@ -552,13 +554,14 @@ def measure_verify_costs(model, tries: int = 3) -> tuple:
     return {k: round(statistics.median(t) * 1000, 3) for k, t in times.items()}, spread <= NOISY
 
 
-def cost_key(model) -> str:
+def cost_key(model) -> str | None:
     """What a forward's cost depends on: the device and its threads, torch, the code a forward
-    runs (model.py, quantize.py), whether its layers are compiled, and the model's shape, dtype
-    and weight forms (not its weights' values)."""
+    runs (model.py, kernels.py, quantize.py), whether its layers are compiled, and the model's
+    shape, dtype and weight forms (not its weights' values); None without that code's source."""
     w, c = model.embed.weight, model.config
-    code = hashlib.sha256("".join(inspect.getsource(sys.modules[name])
-                                  for name in ("model", "quantize")).encode()).hexdigest()[:12]
+    code = source_digest([inspect.getmodule(f) for f in (Llama, attention_mask, quantize)])
+    if code is None:
+        return None
     forms = "/".join(type(m).__name__ for m in (model.layers[0], model.layers[0].mlp.w2,
                                                  model.lm_head))
     shape = (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,

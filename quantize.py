@@ -182,25 +182,40 @@ def load_quantized(folder: str, dtype, form: str, head_form: str, keep: str) -> 
     instruction set; else quantized here and written there once, whole or not at all (packing
     the blocks is most of a start)."""
     stamp = keep_stamp(folder, dtype, form, head_form)
-    model = read_kept(folder, keep, stamp, form, head_form)
+    model = read_kept(folder, keep, stamp, form, head_form) if stamp else None
     if model is None:
-        print(f"Packing the model's {form} weights, once (kept in {keep})", file=sys.stderr)
+        print(f"Packing the model's {form} weights, once", file=sys.stderr)
         model = quantize(load_model(folder, dtype, "cpu"), form, head_form)
-        write_kept(model, keep, stamp)
+        if not (stamp and write_kept(model, keep, stamp)):
+            print(f"note: could not keep them in {keep}: the next start packs them again",
+                  file=sys.stderr)
     return model
 
 
-def keep_stamp(folder: str, dtype, form: str, head_form: str) -> dict:
+def keep_stamp(folder: str, dtype, form: str, head_form: str) -> dict | None:
     """What a kept file must have been made from: the weight files as they are now, the code
-    that packs them, and the torch and instruction set whose kernels' layout it holds."""
+    that loads and packs them, and the torch and instruction set whose kernels' layout it
+    holds; None where that code's source is not at hand (nothing is kept then)."""
     files = [(os.path.basename(p), os.stat(p)) for p in safetensors_files(folder)]
     source = ";".join(f"{name}:{st.st_size}:{st.st_mtime_ns}" for name, st in files)
-    packing = [GROUP, int4_blocks, Int4Linear, Int8Linear, to_our_names]
-    code = hashlib.sha256(repr([inspect.getsource(p) if callable(p) else p
-                                for p in packing]).encode()).hexdigest()[:16]
+    code = source_digest([GROUP, int4_blocks, Int4Linear, Int8Linear, convert, quantize,
+                          load_model, to_our_names])
+    if code is None:
+        return None
     return {"source": source, "code": code, "torch": torch.__version__, "dtype": str(dtype),
             "cpu": torch.backends.cpu.get_cpu_capability(),     # the kernels' instruction set
             "forms": f"{form}/{head_form}"}
+
+
+def source_digest(objects: list) -> str | None:
+    """A digest of these functions', classes' or modules' source (other values by repr): what
+    a kept result was made by. None where the source is not at hand (only .pyc files)."""
+    try:
+        text = repr([inspect.getsource(o) if callable(o) or inspect.ismodule(o) else o
+                     for o in objects])
+    except (OSError, TypeError):
+        return None
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def read_kept(folder: str, keep: str, stamp: dict, form: str, head_form: str) -> Llama | None:
@@ -221,14 +236,15 @@ def read_kept(folder: str, keep: str, stamp: dict, form: str, head_form: str) ->
     return model.eval()
 
 
-def write_kept(model: Llama, keep: str, stamp: dict) -> None:
-    """Whole or not at all; where it cannot be written, the next start packs again."""
+def write_kept(model: Llama, keep: str, stamp: dict) -> bool:
+    """Whole or not at all -> whether it was written."""
     tmp = f"{keep}.{os.getpid()}.tmp"
     try:
         save_tensors({k: v.contiguous() for k, v in model.state_dict().items()}, tmp, stamp)
         os.replace(tmp, keep)
+        return True
     except (OSError, SafetensorError):
-        pass
+        return False
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

@@ -219,7 +219,12 @@ def test_a_kept_quantized_form_is_the_same_model_and_is_made_again_when_stale(tm
         mp.setattr(torch, "__version__", torch.__version__ + ".another")
         assert "once" in load()
     assert "once" in load() and load() == ""
-    assert "once" in load(str(tmp_path / "nowhere" / "kept.safetensors")), "unwritable: packed"
+    assert "could not keep" in load(str(tmp_path / "nowhere" / "kept.safetensors"))
+    from checkpoint import save_tensors
+    from quantize import keep_stamp
+    save_tensors({"lm_head.q": torch.zeros(2, dtype=torch.int8)}, keep,   # its stamp, not its form
+                 keep_stamp(folder, torch.bfloat16, "int4", "int8"))
+    assert "once" in load() and load() == ""
     assert not [n for n in os.listdir(folder) if n.endswith(".tmp")], "a temporary file left"
     assert os.stat(keep).st_mode & 0o777 == os.stat(folder).st_mode & 0o666, "made private"
 

@@ -161,6 +161,17 @@ def test_a_replacement_that_fails_at_the_rename_keeps_the_old_folder(tmp_path, m
     assert os.listdir(out) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
     assert os.listdir(tmp_path) == ["out"], os.listdir(tmp_path)
 
+    def both_fail(src, dst):                  # the new one cannot go in, nor the old one back
+        if os.path.basename(src).startswith((".export-", ".replaced-")):
+            raise OSError("disk full")
+        real_replace(src, dst)
+    monkeypatch.setattr(os, "replace", both_fail)
+    with pytest.raises(OSError, match="disk full"):
+        write_whole(str(out), lambda tmp: open(os.path.join(tmp, "new"), "w").close())
+    aside = [n for n in os.listdir(tmp_path) if n.startswith(".replaced-")]
+    assert len(aside) == 1 and os.listdir(tmp_path / aside[0]) == ["notes.txt"], \
+        "the old folder was deleted with the new one"
+
 
 def test_an_older_head_moves_to_eagles_layout_and_computes_about_the_same(tmp_path):
     """train_heads --init on a head with an input norm: the norm folds into q, k and v at the

@@ -927,6 +927,13 @@ def test_verify_costs_are_timed_once_per_machine_and_shape_on_a_quiet_machine(
     monkeypatch.setattr(methods, "machine_name", lambda device: "another machine")
     methods.verify_costs(model, str(tmp_path))
     assert len(runs) == 7, "another machine's timings were used"
+    monkeypatch.setattr(methods, "source_digest", lambda objects: "other code")
+    methods.verify_costs(model, str(tmp_path))
+    assert len(runs) == 8, "timings of other code were used"
+    monkeypatch.setattr(methods, "source_digest", lambda objects: None)   # no source: not kept
+    methods.verify_costs(model, str(tmp_path))
+    methods.verify_costs(model, str(tmp_path))
+    assert len(runs) == 10
 
 
 def test_verify_costs_are_taken_again_when_the_repeats_disagree(monkeypatch, capsys):

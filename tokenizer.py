@@ -279,5 +279,5 @@ def with_chat_format(enc, vocab_size, specials, eos, pattern, digest) -> Tokeniz
                  if t in specials]
         return Tokenizer(chat_format="llama3", stop_ids=tuple(stops),
                          bos_id=specials.get("<|begin_of_text|>"), **common)
-    stops = [specials[eos]] if eos in specials else []
+    stops = [specials[eos]] if isinstance(eos, str) and eos in specials else []
     return Tokenizer(chat_format="none", stop_ids=tuple(stops), **common)
