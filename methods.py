@@ -25,7 +25,7 @@ from checkpoint import load_model, read_json
 from decode import GenConfig, generate_spec
 from default_model import WEIGHTS, cache_dir, default_model_path
 from heads import (best_paths, choose_tree_size, expected_length, load_head, projection,
-                   read_head_config, verify_cost)
+                   read_head_config, verify_cost, write_json)
 from kernels import attention_mask
 from model import Llama, LlamaConfig, LoadError, RopeScaling
 from proposers import (DraftConfig, DraftModelProposer, EagleProposer, LookupEagleProposer,
@@ -514,8 +514,8 @@ def verify_costs(model, cache: str | None = None) -> dict:
     (with kernels that give a row the same bits in any call, no timing changes a token), so
     they are a one-time measurement: kept in cache/verify-costs.json per machine, code and
     model shape when taken on a quiet machine (delete the file to time them again)."""
-    key = cost_key(model)
-    if cache is None or key is None:
+    key = cost_key(model) if cache else None
+    if key is None:
         return measure_verify_costs(model)[0]
     path = os.path.join(cache, COSTS_FILE)
     kept = read_costs(path)
@@ -524,8 +524,12 @@ def verify_costs(model, cache: str | None = None) -> dict:
     print(f"--tree-size auto: timing this machine's verify passes, once (kept in {path} if "
           "the machine is quiet)", file=sys.stderr)
     costs, quiet = measure_verify_costs(model)
-    if quiet:                              # a busy moment's timings serve this run only
-        write_costs(path, kept | {key: costs})
+    try:
+        if quiet:                          # a busy moment's timings serve this run only
+            os.makedirs(cache, exist_ok=True)
+            write_json(path, kept | {key: costs})
+    except OSError:                        # a cache that cannot be written: timed next time
+        pass
     return costs
 
 
@@ -596,21 +600,6 @@ def read_costs(path: str) -> dict:
         return {key: {int(k): float(ms) for k, ms in costs.items()} for key, costs in kept.items()}
     except (OSError, ValueError, AttributeError, TypeError):
         return {}
-
-
-def write_costs(path: str, kept: dict) -> None:
-    """Whole or not at all; a cache that cannot be written costs a measurement next time."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(tmp, "w") as f:
-            json.dump(kept, f, indent=1)
-        os.replace(tmp, path)
-    except OSError:
-        pass
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def forward_costs(model, sizes, batch: int = 1, prefix: int = 128, repeats: int = 5) -> dict:
