@@ -18,7 +18,6 @@ from quantize import Float32Linear, Int4Linear, Int8Linear, QuantizeError, as_fl
 from decode import GenConfig, generate_ar, generate_spec
 from test_spec import chi_square_p, default_path  # noqa: F401 (default_path is a fixture)
 
-transformers = pytest.importorskip("transformers")
 from tree import ancestor_mask, make_tree, positions
 
 LARGEST_TREE = 73            # --tree-size auto's 48 nodes, eagle2+ngram's 24 lookup tokens, root
@@ -188,6 +187,7 @@ def test_a_kept_quantized_form_is_the_same_model_and_is_made_again_when_stale(tm
     for bit; weight files changed since, another torch or an unreadable file make it again; a
     file that cannot be written costs a packing, not the run."""
     from quantize import load_quantized
+    transformers = pytest.importorskip("transformers")   # imported where used: slow to import
     cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
                                    num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, max_position_embeddings=64)
@@ -241,6 +241,7 @@ def test_weights_a_checkpoint_cannot_take_are_one_clear_line(tmp_path, capsys, f
     """A model whose MLP has 40 inputs (not whole groups of 32), or a dtype the kernels do not
     take: the layer is named and the way out suggested, before any decoding, no traceback."""
     import spec
+    transformers = pytest.importorskip("transformers")   # imported where used: slow to import
     cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=40,
                                    num_hidden_layers=1, num_attention_heads=4,
                                    max_position_embeddings=64)

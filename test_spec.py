@@ -12,13 +12,11 @@ import torch
 import kernels
 from kernels import accept_chain_sampled, accept_tree, sample
 from checkpoint import load_model
-from model import KVCache, Llama, LlamaConfig, LoadError
+from model import Llama, LlamaConfig, LoadError
 from proposers import DraftModelProposer
 from decode import GenConfig, generate_ar, generate_spec
-from tree import (Tree, ancestor_mask, chain, grow_tree, make_tree, positions, retrieve_indices,
+from tree import (Tree, ancestor_mask, grow_tree, make_tree, positions, retrieve_indices,
                   static_tree)
-
-transformers = pytest.importorskip("transformers")
 
 
 def tiny_config(**kw) -> LlamaConfig:
@@ -58,6 +56,7 @@ HF_CASES = {
 
 def hf_checkpoint(tmp_path, shard=None, vocab_size=97, **kw):
     torch.manual_seed(0)
+    transformers = pytest.importorskip("transformers")   # imported where used: slow to import
     cfg = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=96,
                                    num_hidden_layers=2, num_attention_heads=4,
                                    max_position_embeddings=256, **kw)
@@ -733,6 +732,7 @@ def perplexity(model, ids) -> float:
 @pytest.mark.slow
 def test_default_model_logits_equal_transformers(default_path):
     ours = load_model(default_path, torch.float32)
+    transformers = pytest.importorskip("transformers")   # imported where used: slow to import
     hf = transformers.LlamaForCausalLM.from_pretrained(default_path, dtype=torch.float32).eval()
     ids = list(range(100, 160))
     with torch.no_grad():
