@@ -233,6 +233,8 @@ def convert(folder: str) -> None:
         out = os.path.join(work, FOLDER_NAME)
         os.mkdir(out)
         write_hf_folder(gguf_path, out)
+        if os.path.isfile(os.path.join(folder, "model.safetensors")):
+            return                         # another process converted it meanwhile: keep that
         if os.path.isdir(folder):          # an incomplete folder from an older version
             shutil.rmtree(folder)
         os.rename(out, folder)

@@ -165,17 +165,20 @@ def save_head(head: nn.Module, config: HeadConfig, folder: str, info: dict | Non
     os.makedirs(folder, exist_ok=True)
     tensors = {k: (v.bfloat16() if v.is_floating_point() else v).contiguous().cpu()
                for k, v in head.state_dict().items()}
-    save_file(tensors, f"{folder}/model.safetensors.tmp")
-    os.replace(f"{folder}/model.safetensors.tmp", f"{folder}/model.safetensors")
+    tmp = f"{folder}/model.safetensors.{os.getpid()}.tmp"    # two writers never share one
+    save_file(tensors, tmp)
+    os.replace(tmp, f"{folder}/model.safetensors")
     write_json(f"{folder}/config.json", asdict(config))
     if info is not None:
         write_json(f"{folder}/training.json", info)
 
 
 def write_json(path: str, obj, indent: int | None = 1) -> None:
-    with open(path + ".tmp", "w") as f:
+    """Whole or not at all, also when two processes write the same file at once."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
         json.dump(obj, f, indent=indent)
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, path)
 
 
 def read_head_config(folder: str) -> HeadConfig:

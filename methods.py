@@ -413,11 +413,14 @@ def draft_folder(folder: str, target_folder: str, cache: str) -> str:
                             f"{target_files[0]} has no {', '.join(missing)}")
         shared = {n: f.get_tensor(n).bfloat16() for n in names}
     tensors = load_file(weights) | shared
-    tmp = out + ".tmp"
+    tmp = f"{out}.{os.getpid()}.tmp"                # two processes never share one
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(folder, tmp)
     save_file(tensors, f"{tmp}/model.safetensors", metadata={"format": "pt"})
-    shutil.rmtree(out, ignore_errors=True)
+    if os.path.isfile(f"{out}/model.safetensors"):  # another process made it meanwhile
+        shutil.rmtree(tmp)
+        return out
+    shutil.rmtree(out, ignore_errors=True)          # an incomplete one
     os.replace(tmp, out)
     return out
 

@@ -267,6 +267,27 @@ def test_interrupted_conversion_leaves_no_half_cache(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == [], "a failed conversion left files behind"
 
 
+
+def test_a_conversion_finished_meanwhile_by_another_process_is_kept(tmp_path, monkeypatch):
+    # two first runs at once (two terminals, or two test workers) both convert: the one that
+    # finishes second must not delete the folder the first one placed (and may be reading)
+    import default_model
+    folder = tmp_path / default_model.FOLDER_NAME
+
+    def other_process_wins(gguf_path, out):
+        (tmp_path / "theirs").mkdir()
+        (tmp_path / "theirs" / "model.safetensors").write_bytes(b"theirs")
+        os.rename(tmp_path / "theirs", folder)
+        (tmp_path / "mine").mkdir()
+        (tmp_path / "mine" / "model.safetensors").write_bytes(b"mine")
+        os.rmdir(out)
+        os.rename(tmp_path / "mine", out)
+    monkeypatch.setattr(default_model, "fetch_gguf", lambda work: os.path.join(work, "x.gguf"))
+    monkeypatch.setattr(default_model, "write_hf_folder", other_process_wins)
+    assert default_model.default_model_path(str(tmp_path)) == str(folder)
+    assert (folder / "model.safetensors").read_bytes() == b"theirs"
+    assert sorted(os.listdir(tmp_path)) == [default_model.FOLDER_NAME], "our work is gone"
+
 # ---------------------------------------------------------------- tree data
 
 def random_tree(rng: random.Random, n: int) -> Tree:
