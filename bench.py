@@ -196,11 +196,12 @@ def run_bench(bc: BenchConfig, build, loaded: tuple, out=sys.stdout) -> dict:
     turns = sum(len(p.turns) for p in prompts)
     print(f"bench: {len(prompts)} prompts ({turns} turns) from {bc.prompts}, categories "
           f"{', '.join(dict.fromkeys(p.category for p in prompts))}", file=sys.stderr)
-    decoders, extra_mb, configs = {}, {}, {}
+    decoders, extra_mb, configs, hf_models = {}, {}, {}, {}
     for T in bc.temperatures:
         gen = GenConfig(bc.max_new_tokens, T, bc.top_p, bc.seed)
         for m in methods:
-            made = peer_decoder(bc, m, loaded, gen) if m in PEERS else build(m, loaded, gen)
+            made = (peer_decoder(bc, m, loaded, gen, hf_models) if m in PEERS else
+                    build(m, loaded, gen))
             decoders[T, m], extra_mb[m], configs[m] = made
             decoders[T, m](tokenizer.chat_prompt("Hello! Say something."))       # warm-up
     records, interrupted = decode_all(prompts, decoders, tokenizer)
@@ -317,19 +318,15 @@ def format_temperatures(runs: list, methods: list) -> str:
 PEERS = ["hf", "hf-ngram", "hf-assisted"]
 
 
-def peer_decoder(bc: BenchConfig, name: str, loaded: tuple, gen: GenConfig) -> tuple:
+def peer_decoder(bc: BenchConfig, name: str, loaded: tuple, gen: GenConfig,
+                 hf_models: dict) -> tuple:
     """transformers' generate on the same model folder, dtype and prompts: plain ("hf"), with
     prompt lookup ("hf-ngram", prompt_lookup_num_tokens=10 as in its docs) or assisted by our
-    distilled draft ("hf-assisted"). Target forwards are counted with a hook."""
-    try:
-        import transformers
-    except ImportError:
-        raise ValueError("--peers needs transformers: pip install transformers") from None
+    distilled draft ("hf-assisted"). hf_models: the models loaded so far, shared by every peer
+    and temperature of a bench."""
     path, _, tokenizer = loaded
     dtype, device = getattr(torch, bc.target.dtype), bc.target.device
-    hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    calls = [0]
-    hf.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    hf, calls = hf_model(path, dtype, device, hf_models)
     options = {"max_new_tokens": gen.max_new_tokens, "eos_token_id": list(tokenizer.stop_ids),
                "pad_token_id": tokenizer.stop_ids[0]}
     options |= ({"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p}
@@ -341,8 +338,9 @@ def peer_decoder(bc: BenchConfig, name: str, loaded: tuple, gen: GenConfig) -> t
     elif name == "hf-assisted":
         folder = draft_folder(bc.draft or os.path.join(WEIGHTS, "smollm2-135m-draft"), path,
                               cache_dir(bc.target.cache_dir))
-        helper = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=dtype)
-        options["assistant_model"] = helper.to(device).eval()
+        # its own copy: generate() adapts the assistant's draft length in its generation_config
+        helper = hf_model(folder, dtype, device, {})[0]
+        options["assistant_model"] = helper
         extra_mb = sum(p.numel() * p.element_size() for p in helper.parameters()) / 2**20
 
     def decode(prompt_ids):
@@ -358,6 +356,21 @@ def peer_decoder(bc: BenchConfig, name: str, loaded: tuple, gen: GenConfig) -> t
     config = {"hf": "generate, plain", "hf-ngram": "prompt lookup, 10 tokens",
               "hf-assisted": "distilled draft"}[name]
     return decode, extra_mb, config
+
+
+def hf_model(folder: str, dtype, device: str, loaded: dict) -> tuple:
+    """transformers' model of folder, loaded once into `loaded` -> (model, [its forwards so far],
+    counted by a hook; a decoder sets it to 0 before it runs)."""
+    if folder not in loaded:
+        try:
+            import transformers
+        except ImportError:
+            raise ValueError("--peers needs transformers: pip install transformers") from None
+        hf = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+        calls = [0]
+        hf.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        loaded[folder] = hf, calls
+    return loaded[folder]
 
 
 # ---------------------------------------------------------------- --verify-curve

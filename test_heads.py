@@ -419,10 +419,15 @@ def test_bench_per_category_is_not_capped_by_the_default_limit(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_end_to_end(default_path, tmp_path):
+def test_bench_end_to_end(default_path, tmp_path, monkeypatch):
     # (--compile's rows compile for a minute; the compiled decoder is tested on a tiny model;
     # --peers: transformers' decoders on the same prompts)
     import spec
+    import transformers
+    loads = []
+    load = transformers.LlamaForCausalLM.from_pretrained
+    monkeypatch.setattr(transformers.LlamaForCausalLM, "from_pretrained",
+                        lambda folder, **kw: loads.append(folder) or load(folder, **kw))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Repeat: red green blue red green blue", "category": "a"}\n'
                        '{"question_id": 7, "category": "b", "turns": ["Name a fruit.", "Another."]}\n')
@@ -442,6 +447,7 @@ def test_bench_end_to_end(default_path, tmp_path):
     assert all(summary["methods"][m]["tau"] >= 1 for m in methods)
     assert summary["methods"]["hf-assisted"]["tau"] > 1, "the assistant's drafts were accepted"
     assert all(len(r["token_ids"]) <= 8 for r in report["records"])
+    assert len(loads) == 1 + 2, "the target loaded once for every peer and temperature"
 
 
 def test_bench_table_arithmetic_on_a_synthetic_run():
