@@ -875,6 +875,10 @@ def test_padded_trees_change_nothing():
     padded = generate_spec(target, PromptLookupProposer(4), prompt, gen, pad=True)
     assert padded.token_ids == plain
     assert min(padded.drafted) < 4, "some chains were padded"
+    from tree import pad_inputs
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    mask = pad_inputs(torch.arange(3), torch.arange(3), causal[:3, :3], 5)[2]
+    assert torch.equal(mask, causal), "a padded chain is a chain: no gathered tail to compile"
 
 
 def test_compiled_model_equals_eager():

@@ -66,13 +66,14 @@ def positions(depths: torch.Tensor, start: int) -> torch.Tensor:
 
 def pad_inputs(tokens, pos, mask, size: int) -> tuple:
     """A tree's tokens (N,), positions (N,) and mask (N, N) padded to `size` nodes, for a
-    fixed-shape (compiled) forward. A pad node repeats the root at its position and sees only
-    the prefix and itself; no real node sees it, so the first N outputs are unchanged and the
-    pad's cache slots are dropped with every other rejected node."""
+    fixed-shape (compiled) forward. A pad node repeats the root at its position and sees every
+    node before it (so a padded chain is still a chain to attention, one compiled shape); no
+    real node sees it, so the first N outputs are unchanged and the pad's cache slots are
+    dropped with every other rejected node."""
     n = tokens.shape[0]
     if n > size:
         raise ValueError(f"a tree of {n} nodes does not fit the padded size {size}")
-    full = torch.eye(size, dtype=torch.bool)
+    full = torch.ones(size, size, dtype=torch.bool).tril()             # (size, size)
     full[:n, :n] = mask
     return (torch.cat([tokens, tokens[:1].expand(size - n)]),
             torch.cat([pos, pos[:1].expand(size - n)]), full)
