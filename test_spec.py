@@ -938,6 +938,7 @@ def test_verify_costs_are_timed_once_per_machine_and_shape_on_a_quiet_machine(
     machine and model shape, read back silently; a busy moment's timings serve one run and are
     taken again next time; an unreadable file is measured anew."""
     import methods
+    from quantize import compiled
     runs, noisy = [], []
 
     def forward_times(model, sizes, repeats):
@@ -953,26 +954,28 @@ def test_verify_costs_are_timed_once_per_machine_and_shape_on_a_quiet_machine(
     assert capsys.readouterr().err == "", "kept timings are read back silently"
     methods.verify_costs(tiny_model().float(), str(tmp_path))         # another dtype: its own
     assert len(runs) == 2 and len(json.loads(path.read_text())) == 2
+    methods.verify_costs(compiled(model), str(tmp_path))            # compiled layers: their own
+    assert len(runs) == 3 and len(json.loads(path.read_text())) == 3
     path.write_text("{not json")
     noisy.append(True)
     methods.verify_costs(model, str(tmp_path))
-    assert len(runs) == 5 and "busy" in capsys.readouterr().err
+    assert len(runs) == 6 and "busy" in capsys.readouterr().err
     assert methods.read_costs(str(path)) == {}, "noisy timings were kept"
     assert [p.name for p in tmp_path.iterdir()] == [methods.COSTS_FILE], "a temporary file left"
     noisy.clear()
     methods.verify_costs(model, str(tmp_path))
     kept = methods.verify_costs(model, str(tmp_path))
-    assert len(runs) == 6 and sorted(kept) == sorted(methods.COST_SIZES)
+    assert len(runs) == 7 and sorted(kept) == sorted(methods.COST_SIZES)
     monkeypatch.setattr(methods, "machine_name", lambda device: "another machine")
     methods.verify_costs(model, str(tmp_path))
-    assert len(runs) == 7, "another machine's timings were used"
+    assert len(runs) == 8, "another machine's timings were used"
     monkeypatch.setattr(methods, "source_digest", lambda objects: "other code")
     methods.verify_costs(model, str(tmp_path))
-    assert len(runs) == 8, "timings of other code were used"
+    assert len(runs) == 9, "timings of other code were used"
     monkeypatch.setattr(methods, "source_digest", lambda objects: None)   # no source: not kept
     methods.verify_costs(model, str(tmp_path))
     methods.verify_costs(model, str(tmp_path))
-    assert len(runs) == 10
+    assert len(runs) == 11
 
 
 def test_verify_costs_are_taken_again_when_the_repeats_disagree(monkeypatch, capsys):
