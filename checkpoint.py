@@ -213,3 +213,23 @@ def save_tensors(tensors: dict, path: str, metadata: dict | None = None) -> None
         os.chmod(path, folder & 0o444 | 0o600)
     except OSError:                        # a file system without modes: it stays as written
         pass
+
+
+def place_folder(built: str, folder: str, aside: str) -> bool:
+    """Rename the finished folder `built` to `folder` -> whether it was placed. A complete one
+    (holding model.safetensors) that another process placed meanwhile is kept, never deleted:
+    it may be in use, and `built` is left to the caller to remove. An incomplete one (an older
+    version's, or one cut short) is first moved to `aside`, a path in the caller's own work
+    folder, removed with it."""
+    for attempt in range(3):
+        try:
+            os.rename(built, folder)
+            return True
+        except OSError:                    # folder exists and is not empty
+            if os.path.isfile(os.path.join(folder, "model.safetensors")):
+                return False
+            try:
+                os.rename(folder, f"{aside}{attempt}")
+            except FileNotFoundError:      # another process moved it meanwhile
+                pass
+    raise OSError(f"{folder}: could not be replaced")

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from checkpoint import save_tensors
+from checkpoint import place_folder, save_tensors
 from model import LoadError
 
 # The trained heads and distilled draft shipped for this model (smollm2-135m-KIND)
@@ -233,11 +233,7 @@ def convert(folder: str) -> None:
         out = os.path.join(work, FOLDER_NAME)
         os.mkdir(out)
         write_hf_folder(gguf_path, out)
-        if os.path.isfile(os.path.join(folder, "model.safetensors")):
-            return                         # another process converted it meanwhile: keep that
-        if os.path.isdir(folder):          # an incomplete folder from an older version
-            shutil.rmtree(folder)
-        os.rename(out, folder)
-        print(f"Default model written to {folder}", file=sys.stderr)
+        if place_folder(out, folder, os.path.join(work, "old")):   # else another process's
+            print(f"Default model written to {folder}", file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)

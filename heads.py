@@ -11,6 +11,7 @@ Dimensions: B batch, T tokens, C hidden size, V target vocab, R draft vocab, M M
 import heapq
 import json
 import os
+import uuid
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -165,20 +166,33 @@ def save_head(head: nn.Module, config: HeadConfig, folder: str, info: dict | Non
     os.makedirs(folder, exist_ok=True)
     tensors = {k: (v.bfloat16() if v.is_floating_point() else v).contiguous().cpu()
                for k, v in head.state_dict().items()}
-    tmp = f"{folder}/model.safetensors.{os.getpid()}.tmp"    # two writers never share one
-    save_file(tensors, tmp)
-    os.replace(tmp, f"{folder}/model.safetensors")
+    tmp = unique_tmp(f"{folder}/model.safetensors")
+    try:
+        save_file(tensors, tmp)
+        os.replace(tmp, f"{folder}/model.safetensors")
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     write_json(f"{folder}/config.json", asdict(config))
     if info is not None:
         write_json(f"{folder}/training.json", info)
 
 
+def unique_tmp(path: str) -> str:
+    """A temporary name beside path that no other process or thread writes."""
+    return f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+
+
 def write_json(path: str, obj, indent: int | None = 1) -> None:
     """Whole or not at all, also when two processes write the same file at once."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=indent)
-    os.replace(tmp, path)
+    tmp = unique_tmp(path)
+    try:
+        with open(tmp, "x") as f:
+            json.dump(obj, f, indent=indent)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def read_head_config(folder: str) -> HeadConfig:

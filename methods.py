@@ -14,6 +14,7 @@ import platform
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, replace
 
@@ -21,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from checkpoint import load_model, read_json
+from checkpoint import load_model, place_folder, read_json
 from decode import GenConfig, generate_spec
 from default_model import WEIGHTS, cache_dir, default_model_path
 from heads import (best_paths, choose_tree_size, expected_length, load_head, projection,
@@ -413,15 +414,15 @@ def draft_folder(folder: str, target_folder: str, cache: str) -> str:
                             f"{target_files[0]} has no {', '.join(missing)}")
         shared = {n: f.get_tensor(n).bfloat16() for n in names}
     tensors = load_file(weights) | shared
-    tmp = f"{out}.{os.getpid()}.tmp"                # two processes never share one
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(folder, tmp)
-    save_file(tensors, f"{tmp}/model.safetensors", metadata={"format": "pt"})
-    if os.path.isfile(f"{out}/model.safetensors"):  # another process made it meanwhile
-        shutil.rmtree(tmp)
-        return out
-    shutil.rmtree(out, ignore_errors=True)          # an incomplete one
-    os.replace(tmp, out)
+    os.makedirs(cache, exist_ok=True)
+    work = tempfile.mkdtemp(prefix=".draft-", dir=cache)    # built whole, then placed
+    try:
+        built = os.path.join(work, "draft")
+        shutil.copytree(folder, built)
+        save_file(tensors, f"{built}/model.safetensors", metadata={"format": "pt"})
+        place_folder(built, out, os.path.join(work, "old"))  # or keep another process's
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return out
 
 
