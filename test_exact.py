@@ -332,7 +332,7 @@ def run_all(get, method, flags, prompt, max_new, result=False):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags, prompts, tokens", [((), 3, 64), (("--dtype", "float32"), 1, 16)],
+@pytest.mark.parametrize("flags, prompts, tokens", [((), 3, 64), (("--dtype", "float32"), 1, 32)],
                          ids=["default", "float32"])
 def test_every_method_reproduces_plain_decoding_on_the_default_model(runs, flags, tokens, prompts):
     """No flags at all (bf16, int4 weights, int8 lm_head: what users run), and float32. The
@@ -361,13 +361,14 @@ def test_seeded_sampling_gives_plain_samplings_text_whatever_the_tree(runs):
     every method whose drafts are deterministic gives plain sampling's very text, with the tree
     size forced to several values."""
     flags = ("--temperature", "0.8", "--seed", "3")
+    tokens = 64 if FULL else 40
     for prompt in PROMPTS[:2 if FULL else 1]:
-        plain = run_all(runs, "ar", flags, prompt, 40)
-        assert plain != run_all(runs, "ar", ("--temperature", "0.8", "--seed", "4"), prompt, 40)
+        plain = run_all(runs, "ar", flags, prompt, tokens)
+        assert plain != run_all(runs, "ar", ("--temperature", "0.8", "--seed", "4"), prompt, tokens)
         for method in SAMPLED:
             sizes = [()] if method == "ngram" else [("--tree-size", n) for n in ("1", "4", "11")]
             for size in sizes:
-                got = run_all(runs, method, flags + size, prompt, 40)
+                got = run_all(runs, method, flags + size, prompt, tokens)
                 assert got == plain, f"{method} {size}: {prompt!r}"
 
 
@@ -379,7 +380,8 @@ def test_what_is_streamed_is_what_is_returned(runs, capsys):
     cut_inside = 0
     for method in ["ar"] + METHODS:
         args, target, tokenizer, proposer = runs(method)
-        for prompt, limit in [(PROMPTS[6], 37), ("What is the capital of France?", 64)]:
+        cases = [(PROMPTS[6], 37), ("What is the capital of France?", 64)]
+        for prompt, limit in cases + ([(PROMPTS[6], 64)] if FULL else []):
             ids = tokenizer.chat_prompt(prompt)
             gen = GenConfig(limit)
             capsys.readouterr()
@@ -458,7 +460,7 @@ def test_int4_model_agrees_with_the_float32_model(default_path):
                        m.new_cache(1, len(full)))[0][0, len(ids) - 1:-1].float().argmax(-1)
                      for m in (ref, ours)]
             same, total = same + int((picks[0] == picks[1]).sum()), total + len(picks[0])
-    assert same / total > 0.95, f"greedy agreement {same / total:.4f}"
+    assert same / total > (0.97 if FULL else 0.95), f"greedy agreement {same / total:.4f}"
     ids = tok.encode(TEXT)
     good, got = perplexity(ref, ids), perplexity(ours, ids)
     assert got < good * 1.02, f"perplexity {got:.3f} against float32's {good:.3f}"
