@@ -234,7 +234,7 @@ def test_training_code_makes_its_tensors_on_the_targets_device(tmp_path):
                   th.medusa_loss(heads["medusa"], proj, b)[0], th.draft_loss(draft, seqs)[0]]
         sum(losses).backward()
         accuracy = [th.accuracy_table(target, h, kind, seqs, 3, 4) for kind, h in heads.items()]
-        return answers, forced, [float(x) for x in losses], accuracy
+        return answers, forced, [float(x.detach()) for x in losses], accuracy
     plain = everything()
     with torch.device("meta"):
         elsewhere = everything()
