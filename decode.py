@@ -155,8 +155,9 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
         taken, done = take(result, new, stop_ids, limit)
         if on_tokens:
             on_tokens(new[:taken], ([True] * (len(new) - 1) + [False])[:taken])
-        if on_step:                                  # --show-tree
-            on_step(tree, accepted.tolist(), root)
+        if on_step:                                  # --show-tree: the tokens taken
+            on_step(tree, accepted[:1 + min(taken, len(new) - 1)].tolist(),
+                    root if taken == len(new) else None)
     while not done:                  # the context's last positions: too few for a whole tree
         root = plain_step(target, torch.tensor([[root]], device=device),
                           torch.tensor([[cache.length]], device=device), cache, gen)

@@ -535,6 +535,22 @@ def test_show_tree_renders_a_known_tree():
     assert nothing.endswith("nothing accepted  -> 'f'") and "*" not in nothing
     root_alone = make_tree([10], [-1], torch.zeros(1))
     assert render_tree(root_alone, lambda t: "a", [0], 15) == "'a' (root)\nnothing drafted  -> 'a'"
+    cut = render_tree(tree, lambda t: chr(ord("a") + t - 10), [0, 1], None)
+    assert "'b' 0.90 *\n" in cut and "->" not in cut, "decoding stopped before the target's token"
+
+
+def test_show_tree_draws_the_tokens_taken_and_no_more():
+    # a step whose accepted chunk crosses --max-new-tokens (or an end of turn): the drawing
+    # marks only what was returned, and no target token after the cut
+    target = tiny_model(5)
+    steps, first = [], generate_ar(target, [1, 2, 3], GenConfig(1)).token_ids
+    for limit in (7, 8, 9):
+        out = generate_spec(target, DraftModelProposer(target, 4, 256), [1, 2, 3],
+                            GenConfig(limit), on_step=lambda *a: steps.append(a))
+        drawn = [t for tree, accepted, bonus in steps
+                 for t in tree.tokens[accepted[1:]].tolist() + ([] if bonus is None else [bonus])]
+        assert first + drawn == out.token_ids, limit
+        steps.clear()
 
 
 def test_training_data_reads_both_formats_and_names_bad_lines(tmp_path):

@@ -216,7 +216,8 @@ def path_first(tree: Tree, node: int) -> Tree:
 
 def render_tree(tree: Tree, label, accepted, bonus: int) -> str:
     """The tree as indented text: label(token id) -> str, probability exp(score) where scored,
-    `*` on the accepted path, and the target's own next token after the last accepted node."""
+    `*` on the accepted path, and the target's own next token (bonus; None where decoding
+    stopped before it) after the last accepted node."""
     on_path = set(accepted)
     children = {}
     for i in range(1, tree.size):
@@ -229,7 +230,8 @@ def render_tree(tree: Tree, label, accepted, bonus: int) -> str:
             last = n == len(kids) - 1
             p = f" {float(tree.scores[c].exp()):.2f}" if float(tree.scores[c]) != 0 else ""
             mark = " *" if c in on_path else ""
-            tail = f"  -> {label(bonus)!r}" if c == accepted[-1] and len(accepted) > 1 else ""
+            tail = (f"  -> {label(bonus)!r}" if c == accepted[-1] and len(accepted) > 1
+                    and bonus is not None else "")
             lines.append(f"{prefix}{'`-- ' if last else '|-- '}{label(int(tree.tokens[c]))!r}"
                          f"{p}{mark}{tail}")
             walk(c, prefix + ("    " if last else "|   "))
