@@ -166,33 +166,29 @@ def save_head(head: nn.Module, config: HeadConfig, folder: str, info: dict | Non
     os.makedirs(folder, exist_ok=True)
     tensors = {k: (v.bfloat16() if v.is_floating_point() else v).contiguous().cpu()
                for k, v in head.state_dict().items()}
-    tmp = unique_tmp(f"{folder}/model.safetensors")
-    try:
-        save_file(tensors, tmp)
-        os.replace(tmp, f"{folder}/model.safetensors")
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    write_whole(f"{folder}/model.safetensors", lambda tmp: save_file(tensors, tmp))
     write_json(f"{folder}/config.json", asdict(config))
     if info is not None:
         write_json(f"{folder}/training.json", info)
 
 
-def unique_tmp(path: str) -> str:
-    """A temporary name beside path that no other process or thread writes."""
-    return f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-
-
-def write_json(path: str, obj, indent: int | None = 1) -> None:
-    """Whole or not at all, also when two processes write the same file at once."""
-    tmp = unique_tmp(path)
+def write_whole(path: str, write) -> None:
+    """write(temporary path) then rename: path is whole or untouched, also when two processes
+    write it at once (each its own temporary name, removed if the write fails)."""
+    tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     try:
-        with open(tmp, "x") as f:
-            json.dump(obj, f, indent=indent)
+        write(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def write_json(path: str, obj, indent: int | None = 1) -> None:
+    def dump(tmp):
+        with open(tmp, "x") as f:
+            json.dump(obj, f, indent=indent)
+    write_whole(path, dump)
 
 
 def read_head_config(folder: str) -> HeadConfig:

@@ -33,6 +33,7 @@ from torch import nn
 
 from checkpoint import (config_from_hf, load_model, read_json, safetensors_files, save_tensors,
                         to_our_names)
+from heads import write_whole
 from model import Block, Llama
 
 WEIGHTS = ("float", "int8", "int4")
@@ -238,16 +239,12 @@ def read_kept(folder: str, keep: str, stamp: dict, form: str, head_form: str) ->
 
 def write_kept(model: Llama, keep: str, stamp: dict) -> bool:
     """Whole or not at all -> whether it was written."""
-    tmp = f"{keep}.{os.getpid()}.tmp"
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
     try:
-        save_tensors({k: v.contiguous() for k, v in model.state_dict().items()}, tmp, stamp)
-        os.replace(tmp, keep)
+        write_whole(keep, lambda tmp: save_tensors(tensors, tmp, stamp))
         return True
     except (OSError, SafetensorError):
         return False
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 # ---------------------------------------------------------------- torch.compile

@@ -214,7 +214,7 @@ def path_first(tree: Tree, node: int) -> Tree:
     return subtree(tree, torch.tensor(order))
 
 
-def render_tree(tree: Tree, label, accepted, bonus: int) -> str:
+def render_tree(tree: Tree, label, accepted, bonus: int | None) -> str:
     """The tree as indented text: label(token id) -> str, probability exp(score) where scored,
     `*` on the accepted path, and the target's own next token (bonus; None where decoding
     stopped before it) after the last accepted node."""
