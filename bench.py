@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from checkpoint import write_whole
 from decode import GenConfig, Result
 from default_model import WEIGHTS, cache_dir
 from methods import (TargetConfig, draft_folder, forward_costs, load_target, machine_name,
@@ -267,8 +268,7 @@ def save(fig, folder: str, name: str) -> None:
     """Writes the figure whole (a temporary name, then renamed) and closes it."""
     import matplotlib.pyplot as plt                     # imported by plots already
     fig.tight_layout()
-    fig.savefig(os.path.join(folder, name + ".tmp"), format="png", dpi=110)
-    os.replace(os.path.join(folder, name + ".tmp"), os.path.join(folder, name))
+    write_whole(os.path.join(folder, name), lambda tmp: fig.savefig(tmp, format="png", dpi=110))
     plt.close(fig)
 
 

@@ -4,6 +4,7 @@ and shape checked), and our tensors named back as HF's for saving.
 """
 import json
 import os
+import uuid
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -203,16 +204,39 @@ def load_model(folder: str, dtype=torch.float32, device="cpu") -> Llama:
     return model.to(device).eval()
 
 
-def save_tensors(tensors: dict, path: str, metadata: dict | None = None) -> None:
-    """safetensors' save_file, the file then readable by whom its folder is: save_file makes
-    every file private (0600), which another user of a shared cache, or an engine, cannot read.
-    Only read bits are given (never write), and the owner's read and write always."""
-    save_file(tensors, path, metadata=metadata)
-    folder = os.stat(os.path.dirname(os.path.abspath(path))).st_mode
+def write_whole(path: str, write) -> None:
+    """write(temporary path) then rename: path is whole or untouched, also when two processes
+    write it at once (each its own temporary name, removed if the write fails)."""
+    tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     try:
-        os.chmod(path, folder & 0o444 | 0o600)
-    except OSError:                        # a file system without modes: it stays as written
-        pass
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_json(path: str, obj, indent: int | None = 1) -> None:
+    def dump(tmp):
+        with open(tmp, "x") as f:
+            json.dump(obj, f, indent=indent)
+    write_whole(path, dump)
+
+
+def save_tensors(tensors: dict, path: str, metadata: dict | None = None) -> None:
+    """safetensors' save_file, whole or not at all, the file then readable by whom its folder
+    is: save_file makes every file private (0600), which another user of a shared cache, or an
+    engine, cannot read. Only read bits are given (never write), and the owner's read and write
+    always."""
+    folder = os.stat(os.path.dirname(os.path.abspath(path))).st_mode
+
+    def write(tmp):
+        save_file(tensors, tmp, metadata=metadata)
+        try:
+            os.chmod(tmp, folder & 0o444 | 0o600)
+        except OSError:                    # a file system without modes: it stays as written
+            pass
+    write_whole(path, write)
 
 
 def place_folder(built: str, folder: str, aside: str) -> bool:

@@ -121,10 +121,10 @@ def export_head(head_dir: str, target, out: str, fmt: str, force: bool = False) 
                      os.path.join(tmp, "model.safetensors"), {"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(eagle_config(head.layer_config), f, indent=1)
-    write_whole(out, fill)
+    write_folder(out, fill)
 
 
-def write_whole(out: str, fill) -> None:
+def write_folder(out: str, fill) -> None:
     """fill(tmp) writes a folder beside out, which then replaces out: whole or not at all. An
     old out is moved aside first and deleted only once the new one is in place; if the new one
     cannot be put in place, the old one is put back (or, if even that fails, left aside)."""
@@ -163,7 +163,7 @@ def export_draft(draft_dir: str, target_folder: str, out: str, cache: str,
                         f"{draft.get('vocab_size')}, but the target {target_folder} has "
                         f"{target.get('hidden_size')} and {target.get('vocab_size')}")
     whole = draft_folder(draft_dir, target_folder, cache)
-    write_whole(out, lambda tmp: shutil.copytree(whole, tmp, dirs_exist_ok=True))
+    write_folder(out, lambda tmp: shutil.copytree(whole, tmp, dirs_exist_ok=True))
 
 
 def read_eagle(folder: str) -> EagleHead:

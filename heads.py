@@ -11,14 +11,14 @@ Dimensions: B batch, T tokens, C hidden size, V target vocab, R draft vocab, M M
 import heapq
 import json
 import os
-import uuid
 from dataclasses import asdict, dataclass, field
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
+from checkpoint import save_tensors, write_json
 from kernels import attention_mask
 from model import Block, KVCache, LlamaConfig, LoadError, Rope, cache_dtype, round_up
 
@@ -166,29 +166,10 @@ def save_head(head: nn.Module, config: HeadConfig, folder: str, info: dict | Non
     os.makedirs(folder, exist_ok=True)
     tensors = {k: (v.bfloat16() if v.is_floating_point() else v).contiguous().cpu()
                for k, v in head.state_dict().items()}
-    write_whole(f"{folder}/model.safetensors", lambda tmp: save_file(tensors, tmp))
+    save_tensors(tensors, f"{folder}/model.safetensors")
     write_json(f"{folder}/config.json", asdict(config))
     if info is not None:
         write_json(f"{folder}/training.json", info)
-
-
-def write_whole(path: str, write) -> None:
-    """write(temporary path) then rename: path is whole or untouched, also when two processes
-    write it at once (each its own temporary name, removed if the write fails)."""
-    tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def write_json(path: str, obj, indent: int | None = 1) -> None:
-    def dump(tmp):
-        with open(tmp, "x") as f:
-            json.dump(obj, f, indent=indent)
-    write_whole(path, dump)
 
 
 def read_head_config(folder: str) -> HeadConfig:

@@ -22,11 +22,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from checkpoint import load_model, place_folder, read_json
+from checkpoint import load_model, place_folder, read_json, write_json
 from decode import GenConfig, generate_spec
 from default_model import WEIGHTS, cache_dir, default_model_path
 from heads import (best_paths, choose_tree_size, expected_length, load_head, projection,
-                   read_head_config, verify_cost, write_json)
+                   read_head_config, verify_cost)
 from kernels import attention_mask
 from model import Llama, LlamaConfig, LoadError, RopeScaling
 from proposers import (DraftConfig, DraftModelProposer, EagleProposer, LookupEagleProposer,

@@ -33,7 +33,6 @@ from torch import nn
 
 from checkpoint import (config_from_hf, load_model, read_json, safetensors_files, save_tensors,
                         to_our_names)
-from heads import write_whole
 from model import Block, Llama
 
 WEIGHTS = ("float", "int8", "int4")
@@ -241,7 +240,7 @@ def write_kept(model: Llama, keep: str, stamp: dict) -> bool:
     """Whole or not at all -> whether it was written."""
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
     try:
-        write_whole(keep, lambda tmp: save_tensors(tensors, tmp, stamp))
+        save_tensors(tensors, keep, stamp)
         return True
     except (OSError, SafetensorError):
         return False

@@ -14,6 +14,7 @@ import sys
 from functools import partial
 
 from bench import COMPILED, BenchConfig, run_bench, verify_curve
+from checkpoint import write_json
 from decode import GenConfig, acceptance_by_position, check_room, generate_ar, generate_spec
 from methods import (HEAD_KIND, METHODS, RANDOM, SHAPES, TREE_DEFAULTS, MethodConfig,
                      TargetConfig, build_proposer, check_heads, describe, load_target,
@@ -407,9 +408,7 @@ def main(argv=None):
         if args.json == "-" or (args.verify_curve and not args.json):
             print(json.dumps(report))
         elif args.json:
-            with open(args.json + ".tmp", "w") as f:          # whole, or not at all
-                json.dump(report, f)
-            os.replace(args.json + ".tmp", args.json)
+            write_json(args.json, report, indent=None)          # whole, or not at all
     except (ValueError, OSError) as e:      # bad input of any kind: LoadError, TokenizerError...
         print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)

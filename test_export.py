@@ -145,7 +145,7 @@ def test_export_never_replaces_a_folder_with_files_unless_forced(tmp_path, capsy
 def test_a_replacement_that_fails_at_the_rename_keeps_the_old_folder(tmp_path, monkeypatch):
     """--force replaces an old export only once the new one is whole: a failure as the new
     folder is renamed in puts the old one back, and no temporary folder is left."""
-    from export import write_whole
+    from export import write_folder
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
@@ -157,7 +157,7 @@ def test_a_replacement_that_fails_at_the_rename_keeps_the_old_folder(tmp_path, m
         real_replace(src, dst)
     monkeypatch.setattr(os, "replace", failing)
     with pytest.raises(OSError, match="disk full"):
-        write_whole(str(out), lambda tmp: open(os.path.join(tmp, "new"), "w").close())
+        write_folder(str(out), lambda tmp: open(os.path.join(tmp, "new"), "w").close())
     assert os.listdir(out) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
     assert os.listdir(tmp_path) == ["out"], os.listdir(tmp_path)
 
@@ -167,7 +167,7 @@ def test_a_replacement_that_fails_at_the_rename_keeps_the_old_folder(tmp_path, m
         real_replace(src, dst)
     monkeypatch.setattr(os, "replace", both_fail)
     with pytest.raises(OSError, match="disk full"):
-        write_whole(str(out), lambda tmp: open(os.path.join(tmp, "new"), "w").close())
+        write_folder(str(out), lambda tmp: open(os.path.join(tmp, "new"), "w").close())
     aside = [n for n in os.listdir(tmp_path) if n.startswith(".replaced-")]
     assert len(aside) == 1 and os.listdir(tmp_path / aside[0]) == ["notes.txt"], \
         "the old folder was deleted with the new one"

@@ -293,7 +293,7 @@ def test_placing_a_built_folder_never_deletes_a_complete_one(tmp_path):
     # rename first: a complete folder another process placed wins (it may be read right now);
     # an incomplete one goes aside into our own work folder; a failed write leaves no file
     from checkpoint import place_folder
-    from heads import write_json
+    from checkpoint import write_json
     work, folder = tmp_path / "work", tmp_path / "m"
     for name in "ab":
         (work / name).mkdir(parents=True)

@@ -33,17 +33,17 @@ from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from tqdm import tqdm
 
 from bench import jsonl_rows
-from checkpoint import load_model, to_hf_names
+from checkpoint import load_model, save_tensors, to_hf_names, write_json
 from decode import GenConfig, generate_spec
 from default_model import cache_dir, default_model_path
 from export import FORMATS, check_export, export_draft, export_head
 from heads import (EAGLE_ROPE_THETA, HeadConfig, best_paths, build_head, eagle_layer_config,
-                   load_head, projection_rows, read_head_config, save_head, write_json)
+                   load_head, projection_rows, read_head_config, save_head)
 from kernels import attention_mask
 from methods import DRAFT_VOCAB, parse_flags
 from model import KVCache, Llama, LlamaConfig
@@ -236,11 +236,6 @@ def shard_names(folder: str) -> list:
 def shard_keys(path: str) -> set:
     with safe_open(path, "pt") as f:
         return set(f.keys())
-
-
-def save_tensors(tensors: dict, path: str) -> None:
-    save_file(tensors, path + ".tmp")
-    os.replace(path + ".tmp", path)
 
 
 # ---------------------------------------------------------------- training data from the shards
@@ -521,8 +516,7 @@ def save_checkpoint(out: str, head, opt, state: dict) -> None:
     tensors |= {f"opt.{i}.{k}": v.detach().cpu().clone() for i, s in sd["state"].items()
                 for k, v in s.items()}
     meta = {"state": json.dumps(state), "param_groups": json.dumps(sd["param_groups"])}
-    save_file(tensors, os.path.join(out, CHECKPOINT) + ".tmp", metadata=meta)
-    os.replace(os.path.join(out, CHECKPOINT) + ".tmp", os.path.join(out, CHECKPOINT))
+    save_tensors(tensors, os.path.join(out, CHECKPOINT), meta)
 
 
 def load_checkpoint(out: str, head, opt) -> dict:
@@ -974,9 +968,8 @@ def save_draft(draft, target_folder: str, out: str, info: dict | None = None,
         tensors = {k: v for k, v in tensors.items()
                    if k not in ("model.embed_tokens.weight", "lm_head.weight")}
     os.makedirs(out, exist_ok=True)
-    save_file({k: v.bfloat16() for k, v in tensors.items()}, f"{out}/model.safetensors.tmp",
-              metadata={"format": "pt"})
-    os.replace(f"{out}/model.safetensors.tmp", f"{out}/model.safetensors")
+    save_tensors({k: v.bfloat16() for k, v in tensors.items()}, f"{out}/model.safetensors",
+                 {"format": "pt"})
     with open(f"{target_folder}/config.json") as f:
         hf = json.load(f)
     write_json(f"{out}/config.json", hf | {"num_hidden_layers": c.num_layers,
