@@ -125,17 +125,20 @@ def round_up(n: int, block: int = SLOT_BLOCK) -> int:
 
 @dataclass
 class KVCache:
-    """Preallocated keys and values for every layer, written by absolute slot."""
+    """Preallocated keys and values for every layer, written by absolute slot. Each value
+    carries a last column of ones, with which attention's weighted sums also sum the weights
+    (`attend`): kept in the cache, it is not copied in on every forward."""
     k: torch.Tensor          # (layers, B, K, S, D)
-    v: torch.Tensor          # (layers, B, K, S, D)
+    v: torch.Tensor          # (layers, B, K, S, D + 1)
     length: int = 0          # slots [0, length) hold the committed prefix
 
     @classmethod
     def allocate(cls, config: LlamaConfig, batch: int, slots: int, dtype, device) -> "KVCache":
         """At least `slots` slots, rounded up to whole blocks (attention reads whole blocks)."""
         shape = (config.num_layers, batch, config.num_kv_heads, round_up(slots), config.head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device),
-                   torch.zeros(shape, dtype=dtype, device=device))
+        v = torch.zeros(*shape[:-1], shape[-1] + 1, dtype=dtype, device=device)
+        v[..., -1] = 1
+        return cls(torch.zeros(shape, dtype=dtype, device=device), v)
 
     @property
     def slots(self) -> int:
@@ -162,14 +165,15 @@ class Attention(nn.Module):
         self.wo = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
 
     def forward(self, x, cos, sin, k_cache, v_cache, start, mask, tail=None):
-        """x (B, T, C); k_cache, v_cache (B, K, S, D); mask (T, W) or (B, 1, T, W) bool: which
-        of the first W cache slots each new token sees; tail: see `tail_slots`."""
+        """x (B, T, C); k_cache (B, K, S, D), v_cache (B, K, S, D + 1) (see KVCache); mask (T, W)
+        or (B, 1, T, W) bool: which of the first W cache slots each new token sees; tail: see
+        `tail_slots`."""
         B, T, _ = x.shape
         H, K = self.c.num_heads, self.c.num_kv_heads
         qkv = self.wqkv(x).view(B, T, H + 2 * K, -1)                   # (B, T, H + 2K, D)
         qk = apply_rope(qkv[:, :, :H + K], cos, sin)                    # q and k in one go
         k_cache[:, :, start:start + T] = qk[:, :, H:].transpose(1, 2)  # (B, K, T, D)
-        v_cache[:, :, start:start + T] = qkv[:, :, H + K:].transpose(1, 2)
+        v_cache[:, :, start:start + T, :-1] = qkv[:, :, H + K:].transpose(1, 2)
         W = mask.shape[-1]
         y = attend(qk[:, :, :H], k_cache[:, :, :W], v_cache[:, :, :W], mask, tail)  # (B, T, H, D)
         return self.wo(y.to(x.dtype).reshape(B, T, -1))                 # (B, T, C)
@@ -186,7 +190,8 @@ def attend_reference(q, keys, values, mask):
 
 
 def attend(q, keys, values, mask, tail=None):
-    """q (B, T, H, D), keys/values (B, K, W, D), mask (T, W) or (B, 1, T, W) -> (B, T, H, D).
+    """q (B, T, H, D), keys (B, K, W, D), values (B, K, W, D + 1) with a last column of ones (as
+    KVCache holds them), mask (T, W) or (B, 1, T, W) -> (B, T, H, D).
 
     `attend_reference`'s softmax attention, computed in an order that gives a query the bits
     plain decoding gives it, whatever else shares the call. A query's visible slots, in slot
@@ -210,8 +215,7 @@ def attend(q, keys, values, mask, tail=None):
         weights = F.pad(weights, (0, -W % SLOT_BLOCK))
         values = F.pad(values, (0, 0, 0, -W % SLOT_BLOCK))
         W = weights.shape[-1]
-    # a column of ones beside the values: each block's matmul also sums its weights
-    values = torch.cat([values, values.new_ones(B, K, W, 1)], dim=-1)  # (B, K, W, D + 1)
+    # the column of ones beside the values: each block's matmul also sums its weights
     parts = block_sums(weights.reshape(B, K, G * T, W), values)        # (B, K, n, GT, D + 1)
     if tail is not None:                    # the queries whose slots are not their layout
         shared, rows, slots, seen = tail                               # (Q,), (Q, R), (Q, R)
@@ -239,10 +243,11 @@ def attend_prefill(q, keys, values, mask):
     causal = torch.ones(T, T, dtype=torch.bool, device=mask.device).tril()
     if mask.dim() == 2 and torch.equal(mask[:, :T], causal) and not mask[:, T:].any():
         # a prompt from slot 0: SDPA skips the masked half without a mask
-        y = F.scaled_dot_product_attention(q, keys[:, :, :T], values[:, :, :T], is_causal=True,
-                                           enable_gqa=True)
+        y = F.scaled_dot_product_attention(q, keys[:, :, :T], values[:, :, :T, :-1],
+                                           is_causal=True, enable_gqa=True)
     else:
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        y = F.scaled_dot_product_attention(q, keys, values[..., :-1], attn_mask=mask,
+                                           enable_gqa=True)
     return y.transpose(1, 2)                                            # (B, T, H, D)
 
 

@@ -82,6 +82,11 @@ def test_rmsnorm_and_rope_give_a_row_the_same_bits_in_any_call():
     assert rows_that_differ(rotate) == []
 
 
+def with_ones(values: torch.Tensor) -> torch.Tensor:
+    """(..., W, D) values -> (..., W, D + 1) as a KVCache holds them: a last column of ones."""
+    return torch.cat([values, values.new_ones(*values.shape[:-1], 1)], dim=-1)
+
+
 def random_tree(n: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     parents = [-1] + [int(torch.randint(0, i, (), generator=g)) for i in range(1, n)]
@@ -107,8 +112,8 @@ def test_attention_gives_a_tree_node_the_bits_plain_decoding_gives_it(dtype):
         stale = rand(1, K, W - S - n, D)
         seen = torch.cat([torch.ones(n, S, dtype=torch.bool), mask,
                           torch.zeros(n, W - S - n, dtype=torch.bool)], 1)
-        together = attend(q, torch.cat([prefix_k, k, stale], 2), torch.cat([prefix_v, v, stale], 2),
-                          seen, tail_slots(seen))                        # (1, n, H, D)
+        together = attend(q, torch.cat([prefix_k, k, stale], 2),
+                          with_ones(torch.cat([prefix_v, v, stale], 2)), seen, tail_slots(seen))
         for node in range(n):
             path = mask[node].nonzero().squeeze(1)                       # ancestors, in order
             L = S + len(path)
@@ -116,7 +121,8 @@ def test_attention_gives_a_tree_node_the_bits_plain_decoding_gives_it(dtype):
             keys = torch.cat([prefix_k, k[:, :, path], tail], 2)
             values = torch.cat([prefix_v, v[:, :, path], tail], 2)
             visible = torch.arange(round_up(L))[None] < L
-            alone = attend(q[:, node:node + 1], keys, values, visible, tail_slots(visible))
+            alone = attend(q[:, node:node + 1], keys, with_ones(values), visible,
+                           tail_slots(visible))
             assert torch.equal(alone[0, 0], together[0, node]), f"{dtype}: node {node} of {n}"
 
 
@@ -134,7 +140,7 @@ def test_attend_computes_plain_softmax_attention():
         causal = torch.arange(W)[None] < S + 1 + torch.arange(n)[:, None]           # (n, W)
         q, keys, values = rand(1, n, H, D), rand(1, K, W, D), rand(1, K, W, D)
         for mask in (seen, causal):
-            got = attend(q, keys, values, mask, tail_slots(mask))
+            got = attend(q, keys, with_ones(values), mask, tail_slots(mask))
             assert torch.allclose(got, attend_reference(q, keys, values, mask), atol=1e-12), n
 
 

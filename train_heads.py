@@ -359,15 +359,18 @@ def eagle_unroll(head, embed, b: Batch, steps: int) -> list:
         # fresh tensors every step (a list stands in for the cache's stacked layer): autograd
         # keeps each step's keys for the backward pass, and a later step writing into the same
         # tensor would invalidate them
-        cache = KVCache([widen(k, L) for k in cache.k], [widen(v, L) for v in cache.v], j * L)
+        cache = KVCache([widen(k, L) for k in cache.k], [widen(v, L, 1) for v in cache.v], j * L)
         outs.append(head(feats, embeds, pos, cache, ttt_mask(L, j, pos.device)))  # (B, L, C)
         feats = torch.cat([torch.zeros_like(feats[:, :1]), outs[-1][:, :-1]], dim=1)  # g_{i-1}
     return outs
 
 
-def widen(x: torch.Tensor, L: int) -> torch.Tensor:
-    """One layer's (B, K, S, D) -> (B, K, S + L, D), the new slots zero."""
-    return torch.cat([x, x.new_zeros(*x.shape[:2], L, x.shape[3])], dim=2)
+def widen(x: torch.Tensor, L: int, last: float = 0) -> torch.Tensor:
+    """One layer's (B, K, S, E) -> (B, K, S + L, E), the new slots zero but for their last
+    column, `last` (1 for values: see model.KVCache)."""
+    new = x.new_zeros(*x.shape[:2], L, x.shape[3])
+    new[..., -1] = last
+    return torch.cat([x, new], dim=2)
 
 
 def eagle_loss(head, embed, proj, b: Batch, steps: int, feature_weight: float) -> tuple:
@@ -423,7 +426,8 @@ def draft_hidden(draft, tokens) -> torch.Tensor:
     mask = attention_mask(0, L, None, L, tokens.device)                        # (L, L) causal
     x = draft.embed(tokens)                                                    # (B, L, C)
     for layer in draft.layers:
-        k, v = (x.new_zeros(B, c.num_kv_heads, L, c.head_dim) for _ in range(2))
+        k = x.new_zeros(B, c.num_kv_heads, L, c.head_dim)
+        v = widen(x.new_zeros(B, c.num_kv_heads, 0, c.head_dim + 1), L, 1)   # as KVCache's
         x = layer(x, cos, sin, k, v, 0, mask)
     return draft.norm(x)
 
