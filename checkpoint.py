@@ -1,6 +1,7 @@
 """Hugging Face Llama checkpoints: config.json read into a LlamaConfig (refusing what the model
 cannot run), safetensors loaded into our Llama (q/k/v and gate/up fused, every tensor's name
-and shape checked), and our tensors named back as HF's for saving.
+and shape checked), and our tensors named back as HF's for saving; the project's one writer of
+whole files (a temporary name, then renamed).
 """
 import json
 import os
@@ -217,6 +218,7 @@ def write_whole(path: str, write) -> None:
 
 
 def write_json(path: str, obj, indent: int | None = 1) -> None:
+    """obj as JSON in path, whole or not at all (write_whole)."""
     def dump(tmp):
         with open(tmp, "x") as f:
             json.dump(obj, f, indent=indent)

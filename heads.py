@@ -18,7 +18,6 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from checkpoint import save_tensors, write_json
 from kernels import attention_mask
 from model import Block, KVCache, LlamaConfig, LoadError, Rope, cache_dtype, round_up
 
@@ -160,17 +159,6 @@ def eagle_layer_config(target: LlamaConfig) -> dict:
 
 
 # ---------------------------------------------------------------- files
-
-def save_head(head: nn.Module, config: HeadConfig, folder: str, info: dict | None = None) -> None:
-    """model.safetensors (16-bit) + config.json (+ training.json); written atomically."""
-    os.makedirs(folder, exist_ok=True)
-    tensors = {k: (v.bfloat16() if v.is_floating_point() else v).contiguous().cpu()
-               for k, v in head.state_dict().items()}
-    save_tensors(tensors, f"{folder}/model.safetensors")
-    write_json(f"{folder}/config.json", asdict(config))
-    if info is not None:
-        write_json(f"{folder}/training.json", info)
-
 
 def read_head_config(folder: str) -> HeadConfig:
     """A head folder's config.json; clear errors for a folder that is not one."""

@@ -20,9 +20,9 @@ from dataclasses import dataclass, replace
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from checkpoint import load_model, place_folder, read_json, write_json
+from checkpoint import load_model, place_folder, read_json, save_tensors, write_json
 from decode import GenConfig, generate_spec
 from default_model import WEIGHTS, cache_dir, default_model_path
 from heads import (best_paths, choose_tree_size, expected_length, load_head, projection,
@@ -419,7 +419,7 @@ def draft_folder(folder: str, target_folder: str, cache: str) -> str:
     try:
         built = os.path.join(work, "draft")
         shutil.copytree(folder, built)
-        save_file(tensors, f"{built}/model.safetensors", metadata={"format": "pt"})
+        save_tensors(tensors, f"{built}/model.safetensors", {"format": "pt"})
         place_folder(built, out, os.path.join(work, "old"))  # or keep another process's
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -126,8 +126,8 @@ def round_up(n: int, block: int = SLOT_BLOCK) -> int:
 @dataclass
 class KVCache:
     """Preallocated keys and values for every layer, written by absolute slot. Each value
-    carries a last column of ones, with which attention's weighted sums also sum the weights
-    (`attend`): kept in the cache, it is not copied in on every forward."""
+    carries a last column of ones (`with_ones`), with which attention's weighted sums also sum
+    the weights (`attend`): kept in the cache, it is not concatenated on every forward."""
     k: torch.Tensor          # (layers, B, K, S, D)
     v: torch.Tensor          # (layers, B, K, S, D + 1)
     length: int = 0          # slots [0, length) hold the committed prefix
@@ -136,9 +136,8 @@ class KVCache:
     def allocate(cls, config: LlamaConfig, batch: int, slots: int, dtype, device) -> "KVCache":
         """At least `slots` slots, rounded up to whole blocks (attention reads whole blocks)."""
         shape = (config.num_layers, batch, config.num_kv_heads, round_up(slots), config.head_dim)
-        v = torch.zeros(*shape[:-1], shape[-1] + 1, dtype=dtype, device=device)
-        v[..., -1] = 1
-        return cls(torch.zeros(shape, dtype=dtype, device=device), v)
+        return cls(torch.zeros(shape, dtype=dtype, device=device),
+                   with_ones(torch.zeros(shape, dtype=dtype, device=device)))
 
     @property
     def slots(self) -> int:
@@ -153,6 +152,12 @@ class KVCache:
         self.k[:, :, :, start:start + n] = self.k.index_select(3, src)
         self.v[:, :, :, start:start + n] = self.v.index_select(3, src)
         self.length = start + n
+
+
+def with_ones(values: torch.Tensor) -> torch.Tensor:
+    """(..., S, D) values -> (..., S, D + 1), a last column of ones beside them, as caches hold
+    values for `attend`."""
+    return torch.cat([values, values.new_ones(*values.shape[:-1], 1)], dim=-1)
 
 
 class Attention(nn.Module):
@@ -173,7 +178,7 @@ class Attention(nn.Module):
         qkv = self.wqkv(x).view(B, T, H + 2 * K, -1)                   # (B, T, H + 2K, D)
         qk = apply_rope(qkv[:, :, :H + K], cos, sin)                    # q and k in one go
         k_cache[:, :, start:start + T] = qk[:, :, H:].transpose(1, 2)  # (B, K, T, D)
-        v_cache[:, :, start:start + T, :-1] = qkv[:, :, H + K:].transpose(1, 2)
+        v_cache[:, :, start:start + T, :-1] = qkv[:, :, H + K:].transpose(1, 2)   # ones stay
         W = mask.shape[-1]
         y = attend(qk[:, :, :H], k_cache[:, :, :W], v_cache[:, :, :W], mask, tail)  # (B, T, H, D)
         return self.wo(y.to(x.dtype).reshape(B, T, -1))                 # (B, T, C)
@@ -181,7 +186,8 @@ class Attention(nn.Module):
 
 def attend_reference(q, keys, values, mask):
     """What `attend` computes, written directly: softmax(q k^T / sqrt(D)) v over the slots each
-    query sees, the G = H / K query heads of a KV head sharing it. Shapes as `attend`."""
+    query sees, the G = H / K query heads of a KV head sharing it. Shapes as `attend`, but
+    values (B, K, W, D), without the column of ones."""
     G = q.shape[2] // keys.shape[1]
     k, v = keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1)    # (B, H, W, D)
     scores = q.transpose(1, 2) @ k.transpose(-1, -2) * q.shape[-1] ** -0.5  # (B, H, T, W)
@@ -211,8 +217,8 @@ def attend(q, keys, values, mask, tail=None):
     scores = (whole_groups(q) @ keys.transpose(-1, -2))[:, :, :G * T]  # (B, K, GT, W)
     scores = torch.where(mask.view(-1, 1, 1, T, W), scores.view(B, K, G, T, W), float("-inf"))
     weights = (scores - scores.amax(-1, keepdim=True)).exp()           # (B, K, G, T, W)
-    if W % SLOT_BLOCK:                      # a cache of another width (training): zero slots
-        weights = F.pad(weights, (0, -W % SLOT_BLOCK))
+    if W % SLOT_BLOCK:                      # a cache of another width (training): zero slots,
+        weights = F.pad(weights, (0, -W % SLOT_BLOCK))                 # of weight 0 (ones too)
         values = F.pad(values, (0, 0, 0, -W % SLOT_BLOCK))
         W = weights.shape[-1]
     # the column of ones beside the values: each block's matmul also sums its weights
@@ -240,14 +246,14 @@ def attend_prefill(q, keys, values, mask):
     as long as on a long prompt. Same shapes in and out as `attend`."""
     T = q.shape[1]
     q = q.transpose(1, 2).to(keys.dtype)                                # (B, H, T, D)
+    values = values[..., :-1].contiguous()          # as SDPA's kernels expect: rows D apart
     causal = torch.ones(T, T, dtype=torch.bool, device=mask.device).tril()
     if mask.dim() == 2 and torch.equal(mask[:, :T], causal) and not mask[:, T:].any():
         # a prompt from slot 0: SDPA skips the masked half without a mask
-        y = F.scaled_dot_product_attention(q, keys[:, :, :T], values[:, :, :T, :-1],
-                                           is_causal=True, enable_gqa=True)
-    else:
-        y = F.scaled_dot_product_attention(q, keys, values[..., :-1], attn_mask=mask,
+        y = F.scaled_dot_product_attention(q, keys[:, :, :T], values[:, :, :T], is_causal=True,
                                            enable_gqa=True)
+    else:
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
     return y.transpose(1, 2)                                            # (B, T, H, D)
 
 

@@ -1,11 +1,22 @@
 """The course kit: a student's copy, blanked, must fail exactly the blanked assignment's grading
 tests, naming it; the project itself passes them all; `make` refuses what it cannot do."""
+import importlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 import exercises
+
+
+def test_every_grading_test_exists():
+    """The tests an assignment names are the suite's (a renamed test would leave it ungraded
+    until the slow blanked copies ran)."""
+    for a in exercises.ASSIGNMENTS:
+        for node in a.tests:
+            file, name = node.split("::")
+            module = importlib.import_module(file.removesuffix(".py"))
+            assert callable(getattr(module, name, None)), f"{a.name}: no test {node}"
 
 
 def blanked_copy_results(name: str, folder: str) -> dict:

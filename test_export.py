@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from default_model import WEIGHTS
 from export import check_export, export_head, read_eagle
-from heads import EagleHead, HeadConfig, eagle_layer_config, load_head, save_head
+from heads import EagleHead, HeadConfig, eagle_layer_config, load_head
 from model import KVCache, LlamaConfig, LoadError
 from test_spec import default_path, tiny_model  # noqa: F401 (default_path is a fixture)
 
@@ -29,7 +29,7 @@ def saved_head(folder, target, seed=0, **config) -> EagleHead:
     with torch.no_grad():
         for p in head.parameters():
             p.copy_(torch.randn_like(p).mul(0.3).bfloat16())
-    save_head(head, hc, str(folder))
+    train_heads.save_head(head, hc, str(folder))
     return head.eval()
 
 
@@ -107,7 +107,7 @@ def test_a_head_the_format_cannot_express_is_refused_and_nothing_is_written(
     if case == "medusa":
         from heads import MedusaHeads
         c = target.config
-        save_head(MedusaHeads(c.hidden_size, 2, torch.arange(c.vocab_size)),
+        train_heads.save_head(MedusaHeads(c.hidden_size, 2, torch.arange(c.vocab_size)),
                   HeadConfig("medusa", c.hidden_size, c.vocab_size, c.vocab_size, 2), str(folder))
     else:
         layer = eagle_layer_config(target.config)
@@ -213,7 +213,7 @@ def test_the_shipped_head_moved_to_eagles_layout_drafts_the_same_in_the_eagle_au
     old, config = load_head(f"{WEIGHTS}/smollm2-135m-eagle", target, "eagle")
     seq = train_heads.Seq(tokens[0], feats, T)
     head, config = train_heads.to_eagle_layout(old.float(), config, target.embed, [seq])
-    save_head(head, config, str(tmp_path / "head"))
+    train_heads.save_head(head, config, str(tmp_path / "head"))
     export_head(str(tmp_path / "head"), target, str(tmp_path / "eagle"), "eagle")
     theirs = their_model(str(tmp_path / "eagle"))
     head, _ = load_head(str(tmp_path / "head"), target, "eagle")          # as saved: 16-bit

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from heads import (EagleHead, HeadConfig, MedusaHeads, best_paths, eagle_layer_config,
-                   load_head, save_head)
+                   load_head)
 from model import LoadError
 from proposers import DraftConfig, DraftModelProposer, EagleProposer, MedusaProposer
 from decode import GenConfig, generate_ar, generate_spec
 from test_spec import default_path, tiny_model  # noqa: F401 (default_path is a fixture)
+from train_heads import save_head
 from tree import static_tree
 
 

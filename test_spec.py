@@ -1,6 +1,7 @@
 """Tests: oracles are transformers' Llama, the HF tokenizers library, plain decoding, and exact
 enumeration of sampling distributions. Tiny random models run in float64 so that no float near-tie
 can excuse a mismatch. Tests marked `slow` use the real default model (fetched once, ~93 MB)."""
+import ast
 import json
 import os
 import random
@@ -292,8 +293,7 @@ def test_a_conversion_finished_meanwhile_by_another_process_is_kept(tmp_path, mo
 def test_placing_a_built_folder_never_deletes_a_complete_one(tmp_path):
     # rename first: a complete folder another process placed wins (it may be read right now);
     # an incomplete one goes aside into our own work folder; a failed write leaves no file
-    from checkpoint import place_folder
-    from checkpoint import write_json
+    from checkpoint import place_folder, write_json
     work, folder = tmp_path / "work", tmp_path / "m"
     for name in "ab":
         (work / name).mkdir(parents=True)
@@ -326,6 +326,28 @@ def brute_force_ancestors(parents):
             mask[i][j] = True
             j = parents[j]
     return torch.tensor(mask)
+
+
+def reading_order() -> list:
+    """The files README lists "in reading order", the ones a learner reads."""
+    readme = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")).read()
+    table = readme.split("## Files, in reading order")[1].split("Beside them")[0]
+    return [line.split("`")[1] for line in table.splitlines() if line.startswith("| `")]
+
+
+def test_the_files_a_learner_reads_import_only_each_other():
+    """README's layout: what serves running and measuring (the command line, checkpoints,
+    training, ...) sits beside the files in reading order, never imported by them."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    ours = {name.removesuffix(".py") for name in os.listdir(here) if name.endswith(".py")}
+    learner = [name.removesuffix(".py") for name in reading_order()]
+    assert learner[:2] == ["tokenizer", "model"] and "decode" in learner, learner
+    for name in learner:
+        tree = ast.parse(open(os.path.join(here, name + ".py")).read())
+        imported = {node.module if isinstance(node, ast.ImportFrom) else alias.name
+                    for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                    for alias in node.names}
+        assert imported & ours <= set(learner), f"{name}.py imports {imported & ours - set(learner)}"
 
 
 def test_tree_mask_positions_and_paths_equal_brute_force():

@@ -43,10 +43,10 @@ from decode import GenConfig, generate_spec
 from default_model import cache_dir, default_model_path
 from export import FORMATS, check_export, export_draft, export_head
 from heads import (EAGLE_ROPE_THETA, HeadConfig, best_paths, build_head, eagle_layer_config,
-                   load_head, projection_rows, read_head_config, save_head)
+                   load_head, projection_rows, read_head_config)
 from kernels import attention_mask
 from methods import DRAFT_VOCAB, parse_flags
-from model import KVCache, Llama, LlamaConfig
+from model import KVCache, Llama, LlamaConfig, with_ones
 from proposers import DraftConfig, DraftModelProposer, EagleProposer, MedusaProposer
 from tokenizer import load_tokenizer
 from tree import static_tree
@@ -359,18 +359,18 @@ def eagle_unroll(head, embed, b: Batch, steps: int) -> list:
         # fresh tensors every step (a list stands in for the cache's stacked layer): autograd
         # keeps each step's keys for the backward pass, and a later step writing into the same
         # tensor would invalidate them
-        cache = KVCache([widen(k, L) for k in cache.k], [widen(v, L, 1) for v in cache.v], j * L)
+        cache = KVCache([widen(k, L) for k in cache.k], [widen(v, L, ones=True) for v in cache.v],
+                        j * L)
         outs.append(head(feats, embeds, pos, cache, ttt_mask(L, j, pos.device)))  # (B, L, C)
         feats = torch.cat([torch.zeros_like(feats[:, :1]), outs[-1][:, :-1]], dim=1)  # g_{i-1}
     return outs
 
 
-def widen(x: torch.Tensor, L: int, last: float = 0) -> torch.Tensor:
-    """One layer's (B, K, S, E) -> (B, K, S + L, E), the new slots zero but for their last
-    column, `last` (1 for values: see model.KVCache)."""
-    new = x.new_zeros(*x.shape[:2], L, x.shape[3])
-    new[..., -1] = last
-    return torch.cat([x, new], dim=2)
+def widen(x: torch.Tensor, L: int, ones: bool = False) -> torch.Tensor:
+    """One layer's (B, K, S, E) -> (B, K, S + L, E), the new slots zero; ones: values, whose
+    new slots get the column of ones a cache holds (model.with_ones)."""
+    new = x.new_zeros(*x.shape[:2], L, x.shape[3] - ones)
+    return torch.cat([x, with_ones(new) if ones else new], dim=2)
 
 
 def eagle_loss(head, embed, proj, b: Batch, steps: int, feature_weight: float) -> tuple:
@@ -427,7 +427,7 @@ def draft_hidden(draft, tokens) -> torch.Tensor:
     x = draft.embed(tokens)                                                    # (B, L, C)
     for layer in draft.layers:
         k = x.new_zeros(B, c.num_kv_heads, L, c.head_dim)
-        v = widen(x.new_zeros(B, c.num_kv_heads, 0, c.head_dim + 1), L, 1)   # as KVCache's
+        v = with_ones(torch.zeros_like(k))                                    # as a cache holds
         x = layer(x, cos, sin, k, v, 0, mask)
     return draft.norm(x)
 
@@ -957,6 +957,17 @@ def init_draft(target, layers: int):
     draft.embed.requires_grad_(False), draft.lm_head.requires_grad_(False)
     draft.layers.requires_grad_(True), draft.norm.requires_grad_(True)
     return draft
+
+
+def save_head(head: nn.Module, config: HeadConfig, folder: str, info: dict | None = None) -> None:
+    """model.safetensors (16-bit) + config.json (+ training.json); written atomically."""
+    os.makedirs(folder, exist_ok=True)
+    tensors = {k: (v.bfloat16() if v.is_floating_point() else v).contiguous().cpu()
+               for k, v in head.state_dict().items()}
+    save_tensors(tensors, f"{folder}/model.safetensors")
+    write_json(f"{folder}/config.json", asdict(config))
+    if info is not None:
+        write_json(f"{folder}/training.json", info)
 
 
 def save_draft(draft, target_folder: str, out: str, info: dict | None = None,
