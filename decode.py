@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import accept_chain_sampled, accept_tree, next_tokens, target_probs, uniform
 from tree import ancestor_mask, pad_inputs, positions, retrieve_indices
+from verification import accept_chain_sampled, accept_tree, next_tokens, target_probs, uniform
 
 
 @dataclass

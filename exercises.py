@@ -42,7 +42,7 @@ ASSIGNMENTS = [
                "nothing else. Build that (N, N) mask from the parent of each node.",
                "Nodes come in depth order, so a node's row is its parent's row plus itself.",
                ("test_spec.py::test_tree_mask_positions_and_paths_equal_brute_force",)),
-    Assignment("greedy-accept", "kernels.py:accept_tree", 40,
+    Assignment("greedy-accept", "verification.py:accept_tree", 40,
                "From the target's own choice after every node, find the longest root-to-leaf "
                "path whose drafted tokens the target agrees with, and the token it adds after "
                "it. Done in tensors, it serves greedy and sampled choices alike.",
@@ -50,7 +50,7 @@ ASSIGNMENTS = [
                ("test_spec.py::test_greedy_tree_acceptance_equals_walking_the_tree",
                 "test_spec.py::test_tree_sampling_verification_keeps_target_distribution",
                 "test_spec.py::test_tree_sampling_negative_control_is_rejected")),
-    Assignment("chain-accept", "kernels.py:accept_chain_sampled", 45,
+    Assignment("chain-accept", "verification.py:accept_chain_sampled", 45,
                "Leviathan's rule: accept drafted token x with probability min(1, p(x) / q(x)); at "
                "the first rejection draw from the residual max(p - q, 0), normalized; if all are "
                "accepted draw a bonus token from p. The output then follows p exactly.",
@@ -58,7 +58,7 @@ ASSIGNMENTS = [
                ("test_spec.py::test_sampled_chain_verification_keeps_target_distribution",
                 "test_spec.py::test_sampled_chain_negative_control_is_rejected",
                 "test_spec.py::test_a_draft_equal_to_the_target_is_always_accepted")),
-    Assignment("position-draws", "kernels.py:sample_at", 15,
+    Assignment("position-draws", "verification.py:sample_at", 15,
                "Sampling by inverse CDF at a given uniform u: the token whose cumulative "
                "probability first exceeds u. Keyed on the position, it makes a seeded run give "
                "plain sampling's very text whatever the tree.",

@@ -27,13 +27,13 @@ from decode import GenConfig, generate_spec
 from default_model import WEIGHTS, cache_dir, default_model_path
 from heads import (best_paths, choose_tree_size, expected_length, load_head, projection,
                    read_head_config, verify_cost)
-from kernels import attention_mask
 from model import Llama, LlamaConfig, LoadError, RopeScaling
 from proposers import (DraftConfig, DraftModelProposer, EagleProposer, LookupEagleProposer,
                        MedusaProposer, PromptLookupProposer, SizeRule)
 from quantize import compiled, convert, load_quantized, quantize, source_digest
 from tokenizer import load_tokenizer
 from tree import static_tree
+from verification import attention_mask
 
 METHODS = ["ar", "draft", "ngram", "medusa", "eagle", "eagle2", "eagle2+ngram"]
 # (depth, top-k, tree size) per method, measured (docs/RESULTS.md): auto beat every fixed tree
@@ -564,7 +564,7 @@ def measure_verify_costs(model, tries: int = 3) -> tuple:
 
 def cost_key(model) -> str | None:
     """What a forward's cost depends on: the device and its threads, torch, the code a forward
-    runs (model.py, kernels.py, quantize.py), whether its layers are compiled, and the model's
+    runs (model.py, verification.py, quantize.py), whether its layers are compiled, and the model's
     shape, dtype and weight forms (not its weights' values); None without that code's source."""
     w, c = model.embed.weight, model.config
     code = source_digest([inspect.getmodule(f) for f in (Llama, attention_mask, quantize)])

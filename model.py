@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels import attention_mask
+from verification import attention_mask
 
 
 class LoadError(ValueError):

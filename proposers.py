@@ -9,9 +9,9 @@ from typing import Protocol
 import torch
 
 from heads import projection
-from kernels import target_probs, sample
 from model import Llama
 from tree import Tree, add_chain, ancestor_mask, best_nodes, chain, grow_tree
+from verification import target_probs, sample
 
 
 class Proposer(Protocol):

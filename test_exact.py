@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import sample_at, uniform
+from verification import sample_at, uniform
 from methods import HEAD_KIND, build_proposer, load_target, room
 from checkpoint import load_model
 from model import (Llama, LlamaConfig, RMSNorm, Rope, apply_rope, attend, attend_reference,

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-import kernels
-from kernels import accept_chain_sampled, accept_tree, sample
+import verification
+from verification import accept_chain_sampled, accept_tree, sample
 from checkpoint import load_model
 from model import Llama, LlamaConfig, LoadError
 from proposers import DraftModelProposer
@@ -350,6 +350,17 @@ def test_the_files_a_learner_reads_import_only_each_other():
         assert imported & ours <= set(learner), f"{name}.py imports {imported & ours - set(learner)}"
 
 
+def test_no_file_of_ours_hides_an_installed_package():
+    """Run from the project's folder, a file of ours is imported in place of an installed
+    package of the same name: transformers 5.25 imports the `kernels` package, which our
+    kernels.py (now verification.py) hid, failing every test that loads transformers."""
+    from importlib.metadata import packages_distributions
+    here = os.path.dirname(os.path.abspath(__file__))
+    ours = {name.removesuffix(".py") for name in os.listdir(here) if name.endswith(".py")}
+    clash = ours & set(packages_distributions())
+    assert not clash, f"files of ours named as installed packages: {sorted(clash)}"
+
+
 def test_tree_mask_positions_and_paths_equal_brute_force():
     rng = random.Random(0)
     for _ in range(200):
@@ -592,7 +603,7 @@ TRIALS = 100_000
 ALPHA = 1e-3
 
 
-def run_chain(P, Q, gen, residual_fn=kernels.residual):
+def run_chain(P, Q, gen, residual_fn=verification.residual):
     """Leviathan verification of 1e5 sampled K=2 chains; returns counts of (t1, t2)."""
     V = P[0].shape[0]
     x1 = sample(Q[0].expand(TRIALS, V), gen)                            # (trials,)
