@@ -217,8 +217,8 @@ def attend(q, keys, values, mask, tail=None):
     scores = (whole_groups(q) @ keys.transpose(-1, -2))[:, :, :G * T]  # (B, K, GT, W)
     scores = torch.where(mask.view(-1, 1, 1, T, W), scores.view(B, K, G, T, W), float("-inf"))
     weights = (scores - scores.amax(-1, keepdim=True)).exp()           # (B, K, G, T, W)
-    if W % SLOT_BLOCK:                      # a cache of another width (training): zero slots,
-        weights = F.pad(weights, (0, -W % SLOT_BLOCK))                 # of weight 0 (ones too)
+    if W % SLOT_BLOCK:      # a cache of another width (training): zero slots of weight 0, whose
+        weights = F.pad(weights, (0, -W % SLOT_BLOCK))   # missing ones therefore count nothing
         values = F.pad(values, (0, 0, 0, -W % SLOT_BLOCK))
         W = weights.shape[-1]
     # the column of ones beside the values: each block's matmul also sums its weights
