@@ -176,10 +176,11 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         if args.command == "list":
+            wide = max(len(a.function) for a in ASSIGNMENTS)
             for a in ASSIGNMENTS:
                 what = a.task.split(". ")[0]
-                print(f"{a.name:<15} {a.minutes:>3} min  {a.function:<30} "
-                      f"{what if len(what) < 70 else what[:67] + '...'}")
+                print(f"{a.name:<15} {a.minutes:>3} min  {a.function:<{wide}}  "
+                      f"{what if len(what) < 60 else what[:57] + '...'}")
         elif args.command == "make":
             make(args.out, chosen(args.only), args.force)
             print(f"a student's copy in {args.out}; grade it there: python exercises.py check")
