@@ -76,3 +76,11 @@ def test_make_refuses_unknown_names_full_folders_and_the_project(tmp_path, capsy
     with pytest.raises(SystemExit) as e:
         exercises.main(["make", str(tmp_path / "full"), "--only", "nope"])
     assert e.value.code == 2 and capsys.readouterr().err.startswith("error: unknown assignment")
+
+
+def test_list_prints_one_aligned_line_an_assignment(capsys):
+    exercises.main(["list"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == [a.name for a in exercises.ASSIGNMENTS]
+    tasks = {line.index(a.task[:20]) for line, a in zip(lines, exercises.ASSIGNMENTS)}
+    assert len(tasks) == 1, "the tasks start in one column"
