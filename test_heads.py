@@ -849,7 +849,7 @@ def test_eagle_loss_at_the_first_step_equals_a_per_position_loop():
     rows = b.loss_mask.nonzero().tolist()
     want = sum(-(out[r, i] @ proj.T).log_softmax(-1)[(b.target[r, i] @ proj.T).argmax()]
                for r, i in rows) / len(rows)
-    assert got == pytest.approx(float(want), rel=1e-6)
+    assert got == pytest.approx(float(want.detach()), rel=1e-6)
 
 
 # ---------------------------------------------------------------- EAGLE-2 plus prompt lookup
