@@ -218,6 +218,7 @@ def run_bench(bc: BenchConfig, build, loaded: tuple, out=sys.stdout) -> dict:
     count = len({r.id for r in records})
     if bc.plot:
         plots(bc.plot, runs, methods, forward_costs(target, PLOT_SIZES, repeats=3))
+        print(f"plots written to {bc.plot}", file=sys.stderr)
     return {"model_path": path, "dtype": bc.target.dtype, "device": bc.target.device,
             "prompts": bc.prompts, "count": count, "max_new_tokens": bc.max_new_tokens,
             "interrupted": interrupted, "runs": runs, "records": [r.__dict__ for r in records]}
