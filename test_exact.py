@@ -317,12 +317,6 @@ METHODS = ["draft", "ngram", "medusa", "eagle", "eagle2", "eagle2+ngram"]
 HEADS = list(HEAD_KIND)                          # the methods whose trees --tree-size shapes
 
 
-def decode(argv) -> dict:
-    """spec.run through the command line's own path (parse_args, load_target, build_proposer)."""
-    import spec
-    return spec.run(spec.parse_args(argv + ["--json"]))
-
-
 @pytest.fixture(scope="module")
 def runs():
     """The command line's decoders built once per configuration, reused by the tests below."""

@@ -328,9 +328,17 @@ def brute_force_ancestors(parents):
     return torch.tensor(mask)
 
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def our_modules() -> set:
+    """The names of the project's Python files, as modules."""
+    return {name.removesuffix(".py") for name in os.listdir(HERE) if name.endswith(".py")}
+
+
 def reading_order() -> list:
     """The files README lists "in reading order", the ones a learner reads."""
-    readme = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")).read()
+    readme = open(os.path.join(HERE, "README.md")).read()
     table = readme.split("## Files, in reading order")[1].split("Beside them")[0]
     return [line.split("`")[1] for line in table.splitlines() if line.startswith("| `")]
 
@@ -338,12 +346,11 @@ def reading_order() -> list:
 def test_the_files_a_learner_reads_import_only_each_other():
     """README's layout: what serves running and measuring (the command line, checkpoints,
     training, ...) sits beside the files in reading order, never imported by them."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    ours = {name.removesuffix(".py") for name in os.listdir(here) if name.endswith(".py")}
+    ours = our_modules()
     learner = [name.removesuffix(".py") for name in reading_order()]
     assert learner[:2] == ["tokenizer", "model"] and "decode" in learner, learner
     for name in learner:
-        tree = ast.parse(open(os.path.join(here, name + ".py")).read())
+        tree = ast.parse(open(os.path.join(HERE, name + ".py")).read())
         imported = {node.module if isinstance(node, ast.ImportFrom) else alias.name
                     for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
                     for alias in node.names}
@@ -355,9 +362,7 @@ def test_no_file_of_ours_hides_an_installed_package():
     package of the same name: transformers 5.25 imports the `kernels` package, which our
     kernels.py (now verification.py) hid, failing every test that loads transformers."""
     from importlib.metadata import packages_distributions
-    here = os.path.dirname(os.path.abspath(__file__))
-    ours = {name.removesuffix(".py") for name in os.listdir(here) if name.endswith(".py")}
-    clash = ours & set(packages_distributions())
+    clash = our_modules() & set(packages_distributions())
     assert not clash, f"files of ours named as installed packages: {sorted(clash)}"
 
 
