@@ -1,8 +1,10 @@
 """The course kit: a student's copy, blanked, must fail exactly the blanked assignment's grading
 tests, naming it; the project itself passes them all; `make` refuses what it cannot do."""
 import importlib
+import json
 import os
-from concurrent.futures import ThreadPoolExecutor
+import subprocess
+import sys
 
 import pytest
 
@@ -11,7 +13,7 @@ import exercises
 
 def test_every_grading_test_exists():
     """The tests an assignment names are the suite's (a renamed test would leave it ungraded
-    until the slow blanked copies ran)."""
+    until the slow traced run ran)."""
     for a in exercises.ASSIGNMENTS:
         for node in a.tests:
             file, name = node.split("::")
@@ -19,33 +21,81 @@ def test_every_grading_test_exists():
             assert callable(getattr(module, name, None)), f"{a.name}: no test {node}"
 
 
-def blanked_copy_results(name: str, folder: str) -> dict:
-    """Make a copy with one assignment blanked and grade every assignment in it."""
-    file = exercises.BY_NAME[name].function.split(":")[0]
-    source = open(os.path.join(exercises.HERE, file)).read()
-    exercises.make(folder, exercises.chosen(name), force=False)
-    assert open(os.path.join(exercises.HERE, file)).read() == source, "the source changed"
-    assert "exercise " + name in open(os.path.join(folder, file)).read()
-    return {a.name: why for a, why in exercises.check(exercises.ASSIGNMENTS, folder)}
+# A pytest plugin for the traced run: which assignment functions each grading test calls.
+TRACER = """
+import json, os, sys, threading
+import pytest
+
+WATCHED = json.loads(os.environ["WATCHED"])          # "file.py:Qual.name" -> assignment
+calls = {}                               # node id, or "setup" (fixtures) -> assignments
+now = ["setup"]
+
+def trace(frame, event, arg):
+    code = frame.f_code
+    name = WATCHED.get(os.path.basename(code.co_filename) + ":" + code.co_qualname)
+    if name:
+        calls.setdefault(now[0], set()).add(name)
+
+def pytest_collection_finish(session):      # not during imports: tracing them is slow
+    sys.settrace(trace)
+    threading.settrace(trace)
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    now[0] = item.nodeid                             # fixtures' calls stay under "setup"
+    yield
+    now[0] = "setup"
+
+def pytest_unconfigure(config):
+    sys.settrace(None)
+    threading.settrace(None)
+    with open(os.environ["CALLS"], "w") as f:
+        json.dump({k: sorted(v) for k, v in calls.items()}, f)
+"""
+
+
+def start_traced_run(folder) -> subprocess.Popen:
+    """Start every grading test in the project, tracing calls into folder/calls.json."""
+    (folder / "plugin").mkdir()
+    (folder / "plugin" / "trace_calls.py").write_text(TRACER)
+    watched = {a.function: a.name for a in exercises.ASSIGNMENTS}
+    nodes = [t for a in exercises.ASSIGNMENTS for t in a.tests]
+    env = os.environ | {"WATCHED": json.dumps(watched), "CALLS": str(folder / "calls.json"),
+                        "PYTHONPATH": str(folder / "plugin")}
+    return subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "trace_calls", "-p",
+                             "no:cacheprovider", *nodes], cwd=exercises.HERE, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.mark.slow
-def test_a_blanked_assignment_fails_alone_and_names_itself(tmp_path, monkeypatch):
-    """In each copy the blanked assignment's tests fail naming it and every other assignment's
-    pass: so the project, a copy with nothing blanked, passes them all."""
-    # two copies graded at a time, one thread each: the grading runs are mostly start-up
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    names = [a.name for a in exercises.ASSIGNMENTS]
-    with ThreadPoolExecutor(2) as pool:
-        graded = pool.map(blanked_copy_results, names, [str(tmp_path / n) for n in names])
-    problems = {}                                 # every assignment's, not the first only
-    for name, results in zip(names, graded):
-        why = results.pop(name)
-        if why is None or f"exercise {name}:" not in why:
-            problems[name] = f"its own tests did not fail naming it: {why}"
-        elif any(w is not None for w in results.values()):
-            problems[name] = f"blanking it broke {results}"
-    assert not problems, problems
+def test_each_assignment_is_graded_by_its_own_tests_alone(tmp_path, monkeypatch):
+    """Blanking one assignment fails its own tests, naming it, and no other's. Shown by two
+    runs, not one blanked copy an assignment: a blank changes only the body of its function,
+    so it can fail only the tests that call it. (1) Traced in the project, every grading test
+    calls its own assignment's function and no other's (and no fixture calls one). (2) In a
+    student's copy with every assignment blanked (what `make` gives), each assignment's tests
+    fail naming it: the first blank they reach is their own."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")   # two runs at a time, one core each
+    tracing = start_traced_run(tmp_path)        # beside the blanked copy's grading, below
+    sources = {a.function.split(":")[0] for a in exercises.ASSIGNMENTS}
+    before = {f: open(os.path.join(exercises.HERE, f)).read() for f in sources}
+    exercises.make(str(tmp_path / "copy"), exercises.ASSIGNMENTS, force=False)
+    assert before == {f: open(os.path.join(exercises.HERE, f)).read() for f in sources}, \
+        "make changed the project's own source"
+    graded = exercises.check(exercises.ASSIGNMENTS, str(tmp_path / "copy"))
+    out = tracing.communicate()[0]
+    assert tracing.returncode == 0, f"the project fails its grading tests: {out[-2000:]}"
+    calls = json.loads((tmp_path / "calls.json").read_text())
+    assert "setup" not in calls, f"a fixture or import calls {calls.get('setup')}"
+    problems = {}
+    for a in exercises.ASSIGNMENTS:
+        mine = {node: got for node, got in calls.items() if node.startswith(a.tests)}
+        uncalled = [t for t in a.tests if not any(node.startswith(t) for node in mine)]
+        if uncalled or any(got != [a.name] for got in mine.values()):
+            problems[a.name] = {"calls": mine, "tests that call nothing watched": uncalled}
+    assert not problems, f"grading tests that call other assignments, or not their own: {problems}"
+    for a, why in graded:
+        assert why is not None and f"exercise {a.name}:" in why, (a.name, why)
 
 
 def test_blanking_keeps_the_signature_and_docstring_and_touches_nothing_else(tmp_path):
