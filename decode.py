@@ -28,6 +28,7 @@ class Result:
     seconds: float = 0.0                            # prefill to last token
     accepted: list = field(default_factory=list)    # per step: drafted tokens accepted
     drafted: list = field(default_factory=list)     # per step: drafted tokens (tree nodes)
+    depths: list = field(default_factory=list)      # per step: the tree's depth
     draft_seconds: list = field(default_factory=list)   # per step: wall time in propose()
 
     @property
@@ -152,6 +153,7 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
         new = tree.tokens[accepted[1:]].tolist() + [root]
         result.accepted.append(len(new) - 1)
         result.drafted.append(tree.size - 1)
+        result.depths.append(int(tree.depths[-1]))  # nodes come in depth order
         taken, done = take(result, new, stop_ids, limit)
         if on_tokens:
             on_tokens(new[:taken], ([True] * (len(new) - 1) + [False])[:taken])
@@ -169,7 +171,9 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
     return result
 
 
-def acceptance_by_position(result: Result, depth: int) -> list:
-    """Fraction of steps in which draft position i (0-based along the path) was accepted."""
+def acceptance_by_position(result: Result) -> list:
+    """Fraction of steps in which draft position i (0-based along the path) was accepted, for
+    every position some step drafted."""
     steps = max(len(result.accepted), 1)
-    return [sum(a > i for a in result.accepted) / steps for i in range(depth)]
+    deepest = max(result.depths, default=0)
+    return [sum(a > i for a in result.accepted) / steps for i in range(deepest)]

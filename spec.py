@@ -101,8 +101,7 @@ def run(args) -> dict:
                                pad=args.compile)
         steps = max(len(result.drafted), 1)
         info |= {"drafted_per_step": round(sum(result.drafted) / steps, 2),
-                 "acceptance_by_position": [round(a, 3) for a in acceptance_by_position(
-                     result, max([mc.depth] + result.accepted))]}
+                 "acceptance_by_position": [round(a, 3) for a in acceptance_by_position(result)]}
     if stream:
         stream.finish()
     text_ids = [t for t in result.token_ids if t not in tokenizer.stop_ids]

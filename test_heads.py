@@ -12,7 +12,7 @@ from heads import (EagleHead, HeadConfig, MedusaHeads, best_paths, eagle_layer_c
                    load_head)
 from model import LoadError
 from proposers import DraftConfig, DraftModelProposer, EagleProposer, MedusaProposer
-from decode import GenConfig, generate_ar, generate_spec
+from decode import GenConfig, acceptance_by_position, generate_ar, generate_spec
 from test_spec import default_path, tiny_model  # noqa: F401 (default_path is a fixture)
 from train_heads import save_head
 from tree import static_tree
@@ -54,9 +54,13 @@ def test_greedy_with_random_heads_equals_plain_greedy(kind):
             proposer = EagleProposer(target, head, DraftConfig(4, 3, 8), 256, static)
         for prompt in ([1, 2, 3], [7], [11, 5, 9, 30, 2, 8]):
             plain = generate_ar(target, prompt, gen).token_ids
-            spec = generate_spec(target, proposer, prompt, gen)
+            trees = []
+            spec = generate_spec(target, proposer, prompt, gen,
+                                 on_step=lambda tree, path, bonus: trees.append(tree))
             assert spec.token_ids == plain, f"{kind}, seed {seed}, prompt {prompt}"
             assert max(spec.drafted) == proposer.max_nodes - 1
+            assert spec.depths == [int(t.depths.max()) for t in trees]
+            assert len(acceptance_by_position(spec)) == max(spec.depths), "positions drafted"
 
 
 def test_int8_drafts_use_the_quantized_weights_and_stay_lossless():
