@@ -153,7 +153,7 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
         new = tree.tokens[accepted[1:]].tolist() + [root]
         result.accepted.append(len(new) - 1)
         result.drafted.append(tree.size - 1)
-        result.depths.append(int(tree.depths[-1]))  # nodes come in depth order
+        result.depths.append(int(tree.depths.max()))  # a lookup chain may come first
         taken, done = take(result, new, stop_ids, limit)
         if on_tokens:
             on_tokens(new[:taken], ([True] * (len(new) - 1) + [False])[:taken])

@@ -41,6 +41,14 @@ def random_medusa(target, heads=3, seed=0) -> MedusaHeads:
 PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0]]
 
 
+def deepest(tree) -> int:
+    """A tree's depth from its parents alone (parents come before children)."""
+    depth = [0] * tree.size
+    for i, p in enumerate(tree.parents.tolist()):
+        depth[i] = depth[p] + 1 if p >= 0 else 0
+    return max(depth)
+
+
 @pytest.mark.parametrize("kind", ["eagle2", "eagle2_reduced_vocab", "eagle", "medusa"])
 def test_greedy_with_random_heads_equals_plain_greedy(kind):
     gen = GenConfig(max_new_tokens=40)
@@ -59,7 +67,7 @@ def test_greedy_with_random_heads_equals_plain_greedy(kind):
                                  on_step=lambda tree, path, bonus: trees.append(tree))
             assert spec.token_ids == plain, f"{kind}, seed {seed}, prompt {prompt}"
             assert max(spec.drafted) == proposer.max_nodes - 1
-            assert spec.depths == [int(t.depths.max()) for t in trees]
+            assert spec.depths == [deepest(t) for t in trees]
             assert len(acceptance_by_position(spec)) == max(spec.depths), "positions drafted"
 
 
@@ -887,6 +895,21 @@ def test_eagle2_plus_lookup_is_lossless_greedy_and_seeded_when_sampling(temperat
         assert max(out.drafted) > 5, "the lookup branch should have added nodes"
     else:
         assert out.token_ids == generate_spec(target, proposer, prompt, gen).token_ids
+
+
+def test_each_steps_depth_counts_a_lookup_chain_placed_first():
+    """Result.depths (the positions the summary lists) holds each tree's deepest node, also
+    where the lookup chain comes first and the head's shallower nodes after it."""
+    from proposers import LookupEagleProposer, PromptLookupProposer
+    target = tiny_model(2)
+    proposer = LookupEagleProposer(EagleProposer(target, random_eagle(target, 2),
+                                                 DraftConfig(3, 3, 5), 256),
+                                   PromptLookupProposer(6, 3, by_match=True))
+    trees = []
+    out = generate_spec(target, proposer, list(range(3, 40)) * 2, GenConfig(40),
+                        on_step=lambda tree, path, bonus: trees.append(tree))
+    assert any(int(t.depths[-1]) < deepest(t) for t in trees), "a deep chain placed first"
+    assert out.depths == [deepest(t) for t in trees]
 
 
 def test_eagle2_plus_lookup_drafts_one_round_after_a_full_match():
