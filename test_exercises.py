@@ -54,48 +54,81 @@ def pytest_unconfigure(config):
 """
 
 
-def start_traced_run(folder) -> subprocess.Popen:
-    """Start every grading test in the project, tracing calls into folder/calls.json."""
-    (folder / "plugin").mkdir()
-    (folder / "plugin" / "trace_calls.py").write_text(TRACER)
+def start_traced_run(folder, order: str) -> subprocess.Popen:
+    """Start every grading test in the project, in this order ("forward" or "reverse"),
+    tracing calls into folder/ORDER.json."""
+    plugin = folder / "plugin"
+    plugin.mkdir(exist_ok=True)
+    (plugin / "trace_calls.py").write_text(TRACER)
     watched = {a.function: a.name for a in exercises.ASSIGNMENTS}
     nodes = [t for a in exercises.ASSIGNMENTS for t in a.tests]
-    env = os.environ | {"WATCHED": json.dumps(watched), "CALLS": str(folder / "calls.json"),
-                        "PYTHONPATH": str(folder / "plugin")}
+    path = os.pathsep.join(filter(None, [str(plugin), os.environ.get("PYTHONPATH")]))
+    env = os.environ | {"WATCHED": json.dumps(watched), "CALLS": str(folder / f"{order}.json"),
+                        "PYTHONPATH": path}
     return subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "trace_calls", "-p",
-                             "no:cacheprovider", *nodes], cwd=exercises.HERE, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "no:cacheprovider", *(nodes[::-1] if order == "reverse" else nodes)],
+                            cwd=exercises.HERE, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
 
-@pytest.mark.slow
-def test_each_assignment_is_graded_by_its_own_tests_alone(tmp_path, monkeypatch):
-    """Blanking one assignment fails its own tests, naming it, and no other's. Shown by two
-    runs, not one blanked copy an assignment: a blank changes only the body of its function,
-    so it can fail only the tests that call it. (1) Traced in the project, every grading test
-    calls its own assignment's function and no other's (and no fixture calls one). (2) In a
-    student's copy with every assignment blanked (what `make` gives), each assignment's tests
-    fail naming it: the first blank they reach is their own."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")   # two runs at a time, one core each
-    tracing = start_traced_run(tmp_path)        # beside the blanked copy's grading, below
-    sources = {a.function.split(":")[0] for a in exercises.ASSIGNMENTS}
-    before = {f: open(os.path.join(exercises.HERE, f)).read() for f in sources}
-    exercises.make(str(tmp_path / "copy"), exercises.ASSIGNMENTS, force=False)
-    assert before == {f: open(os.path.join(exercises.HERE, f)).read() for f in sources}, \
-        "make changed the project's own source"
-    graded = exercises.check(exercises.ASSIGNMENTS, str(tmp_path / "copy"))
-    out = tracing.communicate()[0]
-    assert tracing.returncode == 0, f"the project fails its grading tests: {out[-2000:]}"
-    calls = json.loads((tmp_path / "calls.json").read_text())
-    assert "setup" not in calls, f"a fixture or import calls {calls.get('setup')}"
+def traced_calls(folder, run: subprocess.Popen, order: str) -> dict:
+    """{node id: [assignments it called]} of a finished traced run."""
+    out = run.communicate()[0]
+    assert run.returncode == 0, f"the project fails its grading tests: {out[-2000:]}"
+    calls = json.loads((folder / f"{order}.json").read_text())
+    assert "setup" not in calls, f"a fixture calls {calls.get('setup')}"
+    return calls
+
+
+def cross_calls(calls: dict) -> dict:
+    """Assignments whose grading tests call another assignment's function, or not their own."""
     problems = {}
     for a in exercises.ASSIGNMENTS:
         mine = {node: got for node, got in calls.items() if node.startswith(a.tests)}
         uncalled = [t for t in a.tests if not any(node.startswith(t) for node in mine)]
         if uncalled or any(got != [a.name] for got in mine.values()):
             problems[a.name] = {"calls": mine, "tests that call nothing watched": uncalled}
-    assert not problems, f"grading tests that call other assignments, or not their own: {problems}"
-    for a, why in graded:
-        assert why is not None and f"exercise {a.name}:" in why, (a.name, why)
+    return problems
+
+
+@pytest.mark.slow
+def test_each_assignment_is_graded_by_its_own_tests_alone(tmp_path, monkeypatch):
+    """Blanking one assignment fails its grading, naming it, and no other's. Shown by three
+    runs, not one blanked copy an assignment: a blank changes only the body of its function,
+    so it can fail only the tests that call it, or that use what an earlier test's call left
+    behind (a cache). (1) Traced in the project, in the suite's order and reversed, every
+    grading test calls its own assignment's function and no other's, and no fixture calls
+    one: a cache that one test fills and another reads shows in one of the two orders. (2) In
+    a student's copy with every assignment blanked (what `make` gives), each assignment's
+    grading fails naming it: the first blank its tests reach is their own."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")   # three runs at a time, one thread each
+    runs = {order: start_traced_run(tmp_path, order) for order in ("forward", "reverse")}
+    try:
+        sources = {a.function.split(":")[0] for a in exercises.ASSIGNMENTS}
+        before = {f: open(os.path.join(exercises.HERE, f)).read() for f in sources}
+        exercises.make(str(tmp_path / "copy"), exercises.ASSIGNMENTS, force=False)
+        assert before == {f: open(os.path.join(exercises.HERE, f)).read() for f in sources}, \
+            "make changed the project's own source"
+        graded = exercises.check(exercises.ASSIGNMENTS, str(tmp_path / "copy"))
+    except BaseException:                        # no traced run left behind
+        for run in runs.values():
+            run.kill()
+        raise
+    for order, run in runs.items():
+        problems = cross_calls(traced_calls(tmp_path, run, order))
+        assert not problems, f"{order}: grading tests that call other assignments: {problems}"
+    unnamed = {a.name: why for a, why in graded if why is None or f"exercise {a.name}:" not in why}
+    assert not unnamed, f"blanked, their grading did not fail naming them: {unnamed}"
+
+
+def test_make_blanks_the_chosen_assignments_only(tmp_path):
+    """--only: the chosen bodies are blanked, the others' stay."""
+    exercises.make(str(tmp_path), exercises.chosen("tree-mask,medusa-tree"), force=False)
+    tree, heads = (open(tmp_path / f).read() for f in ("tree.py", "heads.py"))
+    assert "exercise tree-mask:" in tree and "exercise medusa-tree:" in heads
+    assert "exercise tree-growth:" not in tree, "grow_tree is not chosen"
+    untouched = open(os.path.join(exercises.HERE, "verification.py")).read()
+    assert open(tmp_path / "verification.py").read() == untouched
 
 
 def test_blanking_keeps_the_signature_and_docstring_and_touches_nothing_else(tmp_path):
