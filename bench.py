@@ -74,6 +74,7 @@ class Record:
     accepted: list = field(default_factory=list)    # per step: drafted tokens accepted
     temperature: float = 0.0
     draft_seconds: float = 0.0                      # of `seconds`, those spent drafting
+    depths: list = field(default_factory=list)      # per step: the tree's depth
 
 
 def read_bench(path: str, limit: int = 0, categories: str | None = None,
@@ -117,7 +118,9 @@ def summarize(records: list, methods: list, extra_mb: dict, target_mb: float,
     for m in methods:
         new, fwd, sec = totals([r for r in records if r.method == m])
         steps = [a for r in records if r.method == m for a in r.accepted]
-        depth = max(steps, default=0)
+        # the positions some step drafted (transformers' decoders say only what they accepted)
+        depth = max((d for r in records if r.method == m for d in r.depths),
+                    default=max(steps, default=0))
         # tokens/s = tau / (s per forward), so speedup = tau x base_ms / ms: what a method's
         # forward costs (drafting included) sets the tau it needs for a given speedup
         ms = 1000 * sec / max(fwd, 1)
@@ -288,7 +291,7 @@ def decode_all(prompts: list, decoders: dict, tokenizer) -> tuple:
                     r = decode(ids)
                     records.append(Record(m, p.id, p.category, turn, r.token_ids,
                                           r.target_forwards, r.seconds, r.accepted, T,
-                                          sum(r.draft_seconds)))
+                                          sum(r.draft_seconds), r.depths))
                     answer = [t for t in r.token_ids if t not in tokenizer.stop_ids]
                     history += [("user", text), ("assistant", tokenizer.decode(answer))]
                 bar.update(1)

@@ -476,6 +476,10 @@ def test_bench_table_arithmetic_on_a_synthetic_run():
     assert e["speedup"] == (6 / 1.5) / (6 / 3.0)
     assert e["memory_pct"] == 5.0 and e["identical"] == [1, 2]
     assert e["acceptance_by_position"] == [1.0, 1 / 3]
+    drafted = [R("e", "1", "x", 0, [1, 2, 3, 4], 2, 0.5, [2, 1], 0.0, 0.0, [3, 2]),
+               R("e", "2", "y", 0, [5, 7], 1, 1.0, [1], 0.0, 0.0, [2])]
+    by_position = summarize(records[:2] + drafted, ["ar", "e"], {}, 100.0)["methods"]["e"]
+    assert by_position["acceptance_by_position"] == [1.0, 1 / 3, 0.0], "every position drafted"
     assert s["categories"]["x"]["e"] == {"tau": 2.0, "speedup": (4 / 0.5) / (4 / 2.0)}
     assert s["categories"]["y"]["e"]["speedup"] == 1.0
     text = format_tables(s, ["ar", "e"])
