@@ -278,7 +278,7 @@ def build_head(mc: MethodConfig, target, tokenizer, slots: int, extra: int = 0,
 
     rule = None
     if mc.tree_size == "auto":
-        size, rule = auto_tree_size(mc, target, tokenizer, accuracy, make, extra, cache)
+        size, rule = auto_tree_size(mc, target, tokenizer, accuracy, make, extra, cache, folder)
     else:
         size = mc.tree_size or mc.depth * mc.top_k                    # 0: as --help says
     proposer = make(per_step_most(mc.depth, mc.top_k) if rule else size, rule)
@@ -442,12 +442,12 @@ def per_step_most(depth: int, top_k: int) -> int:
 
 
 def auto_tree_size(mc: MethodConfig, target, tokenizer, accuracy, make, extra: int = 0,
-                   cache: str | None = None) -> tuple:
+                   cache: str | None = None, folder: str = "") -> tuple:
     """The tree size with the most expected tokens per second on this machine: the head's
     measured accuracies give the expected tokens per step of each size (as Medusa's tree
-    search does), the verify costs measured on this machine (once: `verify_costs`) and the
-    draft time measured now give the seconds. extra tokens (a lookup chain) are priced into
-    every verify pass, not into the tokens gained.
+    search does), the verify costs and the draft time of the head in `folder`, measured on
+    this machine (once: `verify_costs`, `draft_time`), give the seconds. extra tokens (a lookup
+    chain) are priced into every verify pass, not into the tokens gained.
 
     -> (size, rule): for EAGLE-2 also a proposers.SizeRule that chooses the size again at every
     step from the draft's own scores, at the rate this size predicts; None for static trees."""
@@ -455,7 +455,8 @@ def auto_tree_size(mc: MethodConfig, target, tokenizer, accuracy, make, extra: i
         raise ValueError("--tree-size auto needs the head's measured accuracy table (config.json)")
     expected = {n: expected_length(accuracy, n) for n in range(1, AUTO_MAX + 1)}
     costs = verify_costs(target, cache)
-    draft_ms = draft_time(make(mc.depth), target, tokenizer)      # timed at size = depth
+    draft_ms = draft_time(make(mc.depth), target, tokenizer, draft_key(mc, target, folder),
+                          cache)                                # timed at size = depth
     drafting = draft_costs(mc.method, accuracy, draft_ms, mc.depth, expected)
     size, speed, verify_ms = choose_tree_size(expected, costs, drafting, extra)
     rule = None
@@ -501,12 +502,39 @@ def draft_costs(method: str, accuracy: list, measured_ms: float, measured_size: 
     return {n: measured_ms * levels[n] / levels[measured_size] for n in sizes}
 
 
-def draft_time(proposer, target, tokenizer) -> float:
-    """Median ms of one propose() call while decoding a fixed prompt (after a short warm-up)."""
+def draft_time(proposer, target, tokenizer, key: str | None, cache: str | None) -> float:
+    """Median ms of one propose() call while decoding a fixed prompt (after a short warm-up):
+    a one-time measurement like the verify costs, kept under key (`draft_key`)."""
+    costs = kept_costs(cache, key, lambda: measure_draft_time(proposer, target, tokenizer),
+                       "the head's drafting")
+    return costs[0]
+
+
+def measure_draft_time(proposer, target, tokenizer) -> tuple:
+    """-> ({0: median ms a step}, whether the steps' times agreed)."""
     ids = tokenizer.chat_prompt(TIMING_PROMPT)
     generate_spec(target, proposer, ids, GenConfig(8), tokenizer.stop_ids)
-    result = generate_spec(target, proposer, ids, GenConfig(16), tokenizer.stop_ids)
-    return statistics.median(result.draft_seconds) * 1000
+    times = generate_spec(target, proposer, ids, GenConfig(16), tokenizer.stop_ids).draft_seconds
+    ms = {0: round(statistics.median(times) * 1000, 3)}
+    if len(times) < 4:                         # too few steps to tell a quiet machine
+        return ms, False
+    low, _, high = statistics.quantiles(times, n=4)
+    return ms, high <= NOISY * low
+
+
+def draft_key(mc: MethodConfig, target, folder: str) -> str | None:
+    """What drafting's time depends on besides what a forward's does (`cost_key`): the method
+    and its tree settings, the head's weights file and the drafting code; None without the
+    code's source or the file."""
+    base = cost_key(target)
+    code = source_digest([inspect.getmodule(f) for f in (EagleProposer, best_paths, static_tree)])
+    weights = os.path.join(folder, "model.safetensors")
+    if base is None or code is None or not os.path.isfile(weights):
+        return None
+    st = os.stat(weights)
+    return (f"{base}; drafting {mc.method} depth {mc.depth} top-k {mc.top_k} int8 "
+            f"{mc.draft_int8}, {os.path.abspath(folder)}:{st.st_size}:{st.st_mtime_ns}, "
+            f"code {code}")
 
 
 NOISY = 1.5          # repeats of one size further apart than this: a burst of load
@@ -516,18 +544,26 @@ COSTS_FILE = "verify-costs.json"
 def verify_costs(model, cache: str | None = None) -> dict:
     """{k: ms} of a target forward over k tokens on this machine. They choose tree sizes only
     (with kernels that give a row the same bits in any call, no timing changes a token), so
-    they are a one-time measurement: kept in cache/verify-costs.json per machine, code and
-    model shape when taken on a quiet machine (delete the file to time them again)."""
-    key = cost_key(model) if cache else None
-    if key is None:
-        return measure_verify_costs(model)[0]
+    they are a one-time measurement (`kept_costs`), per machine, code and model shape."""
+    key = cost_key(model)
+    sizes = cost_sizes(model)
+    return kept_costs(cache, key and f"{key}; sizes {','.join(map(str, sizes))}",
+                      lambda: measure_verify_costs(model), "this machine's verify passes")
+
+
+def kept_costs(cache: str | None, key: str | None, measure, what: str) -> dict:
+    """{k: ms} from measure() -> (costs, quiet): kept in cache/verify-costs.json under key when
+    the machine was quiet, read back silently on later runs (delete the file to time them
+    again); cache or key None: measured every time."""
+    if cache is None or key is None:
+        return measure()[0]
     path = os.path.join(cache, COSTS_FILE)
     kept = read_costs(path)
-    if set(cost_sizes(model)) <= set(kept.get(key, ())):
+    if key in kept:
         return kept[key]
-    print(f"--tree-size auto: timing this machine's verify passes, once (kept in {path} if "
-          "the machine is quiet)", file=sys.stderr)
-    costs, quiet = measure_verify_costs(model)
+    print(f"--tree-size auto: timing {what}, once (kept in {path} if the machine is quiet)",
+          file=sys.stderr)
+    costs, quiet = measure()
     try:
         if quiet:                          # a busy moment's timings serve this run only
             os.makedirs(cache, exist_ok=True)

@@ -1056,6 +1056,38 @@ def test_verify_costs_are_timed_once_per_machine_and_shape_on_a_quiet_machine(
     assert len(runs) == 11
 
 
+def test_draft_time_is_kept_per_head_and_tree_settings(tmp_path, monkeypatch, capsys):
+    """The head's drafting time, like the verify costs, is timed once with one line and read
+    back silently; another depth, method or head file is timed anew; a noisy time is not kept."""
+    import methods
+    runs, quiet = [], [True]
+
+    def measure(proposer, target, tokenizer):
+        runs.append(1)
+        return {0: 5.0}, quiet[0]
+    monkeypatch.setattr(methods, "measure_draft_time", measure)
+    model, head, cache = tiny_model(), tmp_path / "head", str(tmp_path / "cache")
+    head.mkdir()
+    (head / "model.safetensors").write_bytes(b"a head")
+    mc = methods.method_config("eagle2")
+    key = methods.draft_key(mc, model, str(head))
+    assert methods.draft_time(None, model, None, key, cache) == 5.0
+    err = capsys.readouterr().err
+    assert len(runs) == 1 and err.count("\n") == 1 and "drafting, once" in err
+    assert methods.draft_time(None, model, None, key, cache) == 5.0 and len(runs) == 1
+    assert capsys.readouterr().err == "", "a kept time is read back silently"
+    others = [methods.draft_key(methods.method_config("eagle2", depth=5), model, str(head)),
+              methods.draft_key(methods.method_config("eagle"), model, str(head))]
+    (head / "model.safetensors").write_bytes(b"a retrained head")
+    others.append(methods.draft_key(mc, model, str(head)))
+    assert len({key, *others}) == 4, "keys differ by depth, method and the head's file"
+    quiet[0] = False
+    methods.draft_time(None, model, None, others[0], cache)
+    methods.draft_time(None, model, None, others[0], cache)
+    assert len(runs) == 3, "a noisy time was kept"
+    assert methods.draft_key(mc, model, str(tmp_path / "nowhere")) is None
+
+
 def test_verify_costs_are_taken_again_when_the_repeats_disagree(monkeypatch, capsys):
     """A burst of load makes one repeat slow: the timings are measured again (up to three
     times), and said in one line when they stay noisy; clean ones are taken once, silently."""
