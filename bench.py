@@ -370,6 +370,10 @@ def hf_model(folder: str, dtype, device: str, loaded: dict) -> tuple:
             import transformers
         except ImportError:
             raise ValueError("--peers needs transformers: pip install transformers") from None
+        # its loading bars and notes (one on generate's own arguments, with an assistant)
+        # would break into the bench's lines
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
         hf = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
         calls = [0]
         hf.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
