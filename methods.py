@@ -539,6 +539,7 @@ def draft_key(mc: MethodConfig, target, folder: str) -> str | None:
 
 NOISY = 1.5          # repeats of one size further apart than this: a burst of load
 COSTS_FILE = "verify-costs.json"
+COSTS_KEPT = 64      # entries the file keeps, the latest: each code change adds its own
 
 
 def verify_costs(model, cache: str | None = None) -> dict:
@@ -567,7 +568,8 @@ def kept_costs(cache: str | None, key: str | None, measure, what: str) -> dict:
     try:
         if quiet:                          # a busy moment's timings serve this run only
             os.makedirs(cache, exist_ok=True)
-            write_json(path, kept | {key: costs})
+            latest = dict(list(kept.items())[1 - COSTS_KEPT:])
+            write_json(path, latest | {key: costs})
     except OSError:                        # a cache that cannot be written: timed next time
         pass
     return costs

@@ -1086,6 +1086,13 @@ def test_draft_time_is_kept_per_head_and_tree_settings(tmp_path, monkeypatch, ca
     methods.draft_time(None, model, None, others[0], cache)
     assert len(runs) == 3, "a noisy time was kept"
     assert methods.draft_key(mc, model, str(tmp_path / "nowhere")) is None
+    quiet[0] = True                         # the file keeps the latest entries only
+    path = tmp_path / "cache" / methods.COSTS_FILE
+    path.write_text(json.dumps({f"old {i}": {"0": 1.0} for i in range(70)}))
+    methods.draft_time(None, model, None, key, cache)
+    kept = json.loads(path.read_text())
+    assert len(kept) == methods.COSTS_KEPT and key in kept and "old 69" in kept
+    assert "old 0" not in kept
 
 
 def test_verify_costs_are_taken_again_when_the_repeats_disagree(monkeypatch, capsys):
