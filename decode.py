@@ -68,7 +68,7 @@ def plain_step(model, ids, pos, cache, gen: GenConfig) -> int:
     """One target forward over ids (1, T) at positions pos -> the target's token after the last:
     its argmax, or its draw keyed on the position it will take."""
     logits, _ = model(ids, pos, cache, last_only=True)
-    u = draws(gen, [cache.length])
+    u = draws(gen, [int(pos[0, -1]) + 1])                              # the position it takes
     return int(next_tokens(logits[0, -1], gen.temperature, gen.top_p, u))
 
 
@@ -98,7 +98,7 @@ def verify(logits, tree, mask, pos, q, gen: GenConfig, generator) -> tuple:
     """Accepted node indices (root first) and the target's next token, from the tree pass.
     pos (N,): the nodes' positions; node n's choice is the target's token at pos[n] + 1."""
     if q is not None:                       # a chain sampled from the draft's q
-        p = target_probs(logits, gen.temperature, gen.top_p)              # (K + 1, V)
+        p = target_probs(logits, gen.temperature, gen.top_p)              # (J + 1, V)
         n, bonus = accept_chain_sampled(tree.tokens[1:].to(p.device), p, q.to(p.device), generator)
         n = int(n)
         return torch.arange(n + 1), int(bonus)
@@ -128,7 +128,7 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
                             torch.arange(len(prompt_ids), device=device)[None], cache,
                             last_only=True, taps=taps)
     result.target_forwards = 1
-    u = draws(gen, [cache.length])
+    u = draws(gen, [len(prompt_ids)])                                 # the first new position
     root = int(next_tokens(logits[0, -1], gen.temperature, gen.top_p, u))
     _, done = take(result, [root], stop_ids, limit)
     if on_tokens:
@@ -147,19 +147,20 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
                                 taps=taps)
         logits, hidden = logits[:, :tree.size], hidden[:, :tree.size]    # pads dropped
         result.target_forwards += 1
-        accepted, root = verify(logits[0], tree, mask, pos[:tree.size], q, gen, generator)
+        accepted, bonus = verify(logits[0], tree, mask, pos[:tree.size], q, gen, generator)
         cache.keep(start, accepted)                  # keep the accepted path's slots, in order
         proposer.commit(tree, accepted, hidden[0])
-        new = tree.tokens[accepted[1:]].tolist() + [root]
+        new = tree.tokens[accepted[1:]].tolist() + [bonus]
         result.accepted.append(len(new) - 1)
         result.drafted.append(tree.size - 1)
-        result.depths.append(int(tree.depths.max()))  # a lookup chain may come first
+        result.depths.append(int(tree.depths.max()))  # not the last node's: see tree.path_first
         taken, done = take(result, new, stop_ids, limit)
         if on_tokens:
             on_tokens(new[:taken], ([True] * (len(new) - 1) + [False])[:taken])
         if on_step:                                  # --show-tree: the tokens taken
             on_step(tree, accepted[:1 + min(taken, len(new) - 1)].tolist(),
-                    root if taken == len(new) else None)
+                    bonus if taken == len(new) else None)
+        root = bonus                                 # the next step's tree grows from it
     while not done:                  # the context's last positions: too few for a whole tree
         root = plain_step(target, torch.tensor([[root]], device=device),
                           torch.tensor([[cache.length]], device=device), cache, gen)

@@ -33,7 +33,6 @@ from proposers import (DraftConfig, DraftModelProposer, EagleProposer, LookupEag
 from quantize import compiled, convert, load_quantized, quantize, source_digest
 from tokenizer import load_tokenizer
 from tree import static_tree
-from verification import attention_mask
 
 METHODS = ["ar", "draft", "ngram", "medusa", "eagle", "eagle2", "eagle2+ngram"]
 # (depth, top-k, tree size) per method, measured (docs/RESULTS.md): auto beat every fixed tree
@@ -602,10 +601,10 @@ def measure_verify_costs(model, tries: int = 3) -> tuple:
 
 def cost_key(model) -> str | None:
     """What a forward's cost depends on: the device and its threads, torch, the code a forward
-    runs (model.py, verification.py, quantize.py), whether its layers are compiled, and the model's
+    runs (model.py, quantize.py), whether its layers are compiled, and the model's
     shape, dtype and weight forms (not its weights' values); None without that code's source."""
     w, c = model.embed.weight, model.config
-    code = source_digest([inspect.getmodule(f) for f in (Llama, attention_mask, quantize)])
+    code = source_digest([inspect.getmodule(f) for f in (Llama, quantize)])
     if code is None:
         return None
     forms = "/".join(type(m).__name__ for m in (model.layers[0], model.layers[0].mlp.w2,

@@ -15,7 +15,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from verification import attention_mask
 
 
 class LoadError(ValueError):
@@ -107,7 +106,10 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x32, x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
-SLOT_BLOCK = 64    # caches hold, and attention reads, whole blocks of this many slots
+SLOT_BLOCK = 64          # caches hold, and attention reads, whole blocks of this many slots
+ROW_GROUP = 4            # rows a CPU float matmul computes together (see whole_groups)
+PREFILL_QUERIES = 128    # calls of more queries are prefills (see attend_prefill)
+TAIL_BLOCKS = 4          # most blocks a call gathers per query (a tree: 73 nodes fit in 3)
 
 
 def cache_dtype(dtype: torch.dtype, device) -> torch.dtype:
@@ -211,8 +213,9 @@ def attend(q, keys, values, mask, tail=None):
     B, T, H, D = q.shape
     K, W = keys.shape[1], keys.shape[2]
     G = H // K
-    if T > QUERY_CHUNK and tail is None:
+    if T > PREFILL_QUERIES and tail is None:
         return attend_prefill(q, keys, values, mask)
+    # the G query heads of each KV head stacked: (B, H, T, D) -> (B, K, G * T, D)
     q = (q * D ** -0.5).to(keys.dtype).transpose(1, 2).reshape(B, K, G * T, D)
     scores = (whole_groups(q) @ keys.transpose(-1, -2))[:, :, :G * T]  # (B, K, GT, W)
     scores = torch.where(mask.view(-1, 1, 1, T, W), scores.view(B, K, G, T, W), float("-inf"))
@@ -240,7 +243,7 @@ def attend(q, keys, values, mask, tail=None):
 
 
 def attend_prefill(q, keys, values, mask):
-    """attend for a call of more than QUERY_CHUNK queries: a prefill (a prompt, or a whole
+    """attend for a call of more than PREFILL_QUERIES queries: a prefill (a prompt, or a whole
     conversation), whose rows no other call computes (verification never has that many), so
     the fastest kernel serves: SDPA, which `attend`'s per-block sums would take several times
     as long as on a long prompt. Same shapes in and out as `attend`."""
@@ -266,19 +269,12 @@ def block_sums(w, v) -> torch.Tensor:
     return parts[..., :M, :]
 
 
-ROW_GROUP = 4
-QUERY_CHUNK = 128          # calls of more queries are prefills (see attend_prefill)
-
-
 def whole_groups(x: torch.Tensor) -> torch.Tensor:
     """(..., M, N) -> (..., M', N): M rounded up to whole groups of ROW_GROUP rows, the new rows
     zero. CPU float matmuls (MKL) compute rows in groups of 4 and a remainder of 1-3 rows
     another way, which rounds differently (tested)."""
     extra = -x.shape[-2] % ROW_GROUP
     return x if extra == 0 else F.pad(x, (0, 0, 0, extra))
-
-
-TAIL_BLOCKS = 4            # most blocks a call gathers per query (a tree: 73 nodes fit in 3)
 
 
 def tail_slots(mask: torch.Tensor):
@@ -327,6 +323,25 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, k_cache, v_cache, start, mask, tail=None):
         x = x + self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, start, mask, tail)
         return x + self.mlp(self.mlp_norm(x))
+
+
+def attention_mask(start: int, T: int, mask, width: int, device):
+    """(T, width) bool: which of the first `width` cache slots each of the T new tokens sees.
+
+    mask None: causal among the new tokens. mask (T, T): among the new tokens, each sees the whole
+    prefix [0, start) (the committed tokens are everyone's ancestors). mask (T, start + T) or
+    (B, 1, T, start + T): used as given (a draft that keeps a growing tree in its own cache; a
+    batch with padding). Slots from start + T up to width are seen by no one: attention reads
+    whole blocks of slots (SLOT_BLOCK), whatever stale keys they hold."""
+    if mask is None:
+        mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    mask = mask.to(device)
+    if mask.shape[-1] != start + T:
+        prefix = torch.ones(T, start, dtype=torch.bool, device=device)
+        mask = torch.cat([prefix, mask], dim=1)                         # (T, start + T)
+    unseen = mask.new_zeros(*mask.shape[:-1], width - start - T)
+    return torch.cat([mask, unseen], dim=-1)
+
 
 
 class Llama(nn.Module):

@@ -1,6 +1,6 @@
 """Proposers: they draft a tree of candidate tokens; the target verifies it in one pass.
 
-Dimensions: N tree nodes, K drafted chain tokens, V vocab, P pending tokens, C features.
+Dimensions: N tree nodes, J drafted chain tokens, V vocab, P pending tokens, C features.
 Every proposer follows the `Proposer` protocol, which decode.generate_spec drives.
 """
 from dataclasses import dataclass
@@ -21,17 +21,18 @@ class Proposer(Protocol):
     taps: tuple          # target layers whose outputs it reads beside the final feature
 
     def start(self, prompt_ids: list, hidden: torch.Tensor | None) -> None:
-        """Before the first step; hidden (P, C): the target's final features of the prompt."""
+        """Before the first step; hidden (P, C): the target's final features of the prompt;
+        (P, (len(taps) + 1) C) with taps: the tapped layers' outputs before the final feature."""
 
     def propose(self, root: int, gen, generator) -> tuple:
         """gen: the decode.GenConfig (temperature, top-p); generator: the torch.Generator of
-        drafts that sample. -> (Tree rooted at the target's last token, q): q (K, V) the
+        drafts that sample. -> (Tree rooted at the target's last token, q): q (J, V) the
         draft's distributions when its chain was sampled from them (Leviathan's rule verifies
         it), else None."""
 
     def commit(self, tree: Tree, accepted: torch.Tensor, hidden: torch.Tensor | None) -> None:
         """After verification: accepted node indices (root first); hidden (N, C) the target's
-        features of all tree nodes."""
+        features of all tree nodes ((N, (len(taps) + 1) C) with taps, as in start)."""
 
 
 @dataclass
@@ -80,7 +81,8 @@ class DraftConfig:
 
     @property
     def grown_nodes(self) -> int:
-        """Upper bound on the nodes grow_tree creates (root, k, then k * k per round), plus one."""
+        """A bound on the nodes grow_tree creates, with room to spare: it makes the root, k
+        children, then k * k a round, 1 + k + (depth - 1) k^2 in all."""
         return 2 + self.depth * self.top_k * self.top_k
 
 
@@ -156,7 +158,7 @@ class DraftModelProposer:
                 token = best if self.vocab_ids is None else int(self.vocab_ids[best])
             tokens.append(token)
             ids = [token]
-        return chain(root, tokens), torch.stack(qs) if sampled else None      # q (K, V)
+        return chain(root, tokens), torch.stack(qs) if sampled else None      # q (J, V)
 
     def commit(self, tree: Tree, accepted: torch.Tensor, hidden=None) -> None:
         """Keep the pending tokens, the root and the accepted drafts the draft fed; a chain
@@ -173,9 +175,9 @@ class PromptLookupProposer:
     code edits). The chain is deterministic, so sampling verifies it with the tree rule."""
 
     def __init__(self, depth: int = 4, max_ngram: int = 3, by_match: bool = False):
-        """by_match: a match of n tokens drafts depth * n / max_ngram of them, not depth:
-        measured (README), a chain after a 3-token match is accepted far deeper than one after
-        a single matching token, which is more often a coincidence."""
+        """by_match: a match of n tokens drafts depth * n / max_ngram of them, not depth: a
+        chain after a 3-token match is accepted deeper than one after a single matching token,
+        which is more often a coincidence (chain lengths measured: docs/RESULTS.md)."""
         if depth < 1 or max_ngram < 1:
             raise ValueError(f"prompt lookup needs depth >= 1 and n >= 1, got {depth}, {max_ngram}")
         self.depth, self.max_ngram, self.by_match = depth, max_ngram, by_match
@@ -264,7 +266,8 @@ class EagleProposer:
         tokens = torch.tensor(self.pending_tokens + [root])                  # (P,)
         feats = self.head.fuse_features(self.pending_feats)                 # (P, C)
         out = self.feed(feats, tokens, torch.arange(start, start + P))
-        self.root_slot = self.cache.length - 1                # root's entry: its feature, root
+        # the last entry fed: (feature before the root, root); its output predicts the root's
+        self.root_slot = self.cache.length - 1
         n = self.config.grown_nodes if self.static is None else self.static.parents.shape[0]
         self.node_out = out.new_zeros(n, out.shape[1])                      # (nodes, C)
         self.node_out[0] = out[-1]
@@ -274,11 +277,11 @@ class EagleProposer:
             return self.static_tree(root), None
         rule = self.config.rule
         depth = self.config.depth if depth is None else min(depth, self.config.depth)
-        tree, _ = grow_tree(self.expand, root, depth, self.config.top_k,
+        tree = grow_tree(self.expand, root, depth, self.config.top_k,
                             self.config.total, self.vocab_ids, rule and rule.keep_growing)
         if rule is not None:
             n = rule.size(tree.scores[1:].sort(descending=True).values.exp(), riders)
-            tree, _ = best_nodes(tree, n)
+            tree = best_nodes(tree, n)
         return tree, None
 
     def expand(self, frontier: torch.Tensor, tree: Tree) -> torch.Tensor:
@@ -314,7 +317,7 @@ class EagleProposer:
 
 class MedusaProposer:
     """Medusa: M heads read the target's feature of the last accepted token at once; the static
-    tree's node at depth d and rank r is head d's r-th most likely token (Cai et al. 2024)."""
+    tree's node at depth d and rank r is head d - 1's r-th most likely token (Cai et al. 2024)."""
 
     def __init__(self, target: Llama, head, static, proj=None):
         """proj: the shared projection onto the draft vocabulary, a module C -> R (default
@@ -351,7 +354,7 @@ class LookupEagleProposer:
     # After a chain that matched all lookup.max_ngram tokens the head drafts one round only:
     # such a chain's first token is accepted in 75-80% of MT-bench's steps, while the head's
     # nodes off it add ~0.4 tokens a step; one round still offers the root's alternatives for
-    # when the chain is wrong (docs/TRAINING.md: MT-bench 1.52x -> 1.72x over plain decoding).
+    # when the chain is wrong (measured with the earlier kernels: docs/TRAINING.md).
     FULL_MATCH_ROUNDS = 1
 
     def __init__(self, eagle: EagleProposer, lookup: PromptLookupProposer):

@@ -970,7 +970,7 @@ def test_grow_tree_stops_when_told_and_per_step_sizes_stay_lossless():
     def expand(frontier, tree):
         rounds.append(len(frontier))
         return torch.log_softmax(torch.arange(6.0).repeat(len(frontier), 1), -1)
-    tree, _ = grow_tree(expand, 0, 4, 2, 20, keep_growing=lambda scores: len(rounds) < 2)
+    tree = grow_tree(expand, 0, 4, 2, 20, keep_growing=lambda scores: len(rounds) < 2)
     assert len(rounds) == 2 and int(tree.depths.max()) == 2
 
     # random float64 heads: sizes vary step to step (root alone included), output stays plain greedy

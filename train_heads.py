@@ -45,11 +45,10 @@ from export import FORMATS, check_export, export_draft, export_head
 from heads import (EAGLE_ROPE_THETA, HeadConfig, best_paths, build_head, eagle_layer_config,
                    load_head, projection_rows, read_head_config)
 from methods import DRAFT_VOCAB, parse_flags
-from model import KVCache, Llama, LlamaConfig, with_ones
+from model import KVCache, Llama, LlamaConfig, attention_mask, with_ones
 from proposers import DraftConfig, DraftModelProposer, EagleProposer, MedusaProposer
 from tokenizer import load_tokenizer
 from tree import static_tree
-from verification import attention_mask
 
 
 SHARD_LINES = 256            # data lines per feature shard: the unit of resumption

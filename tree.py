@@ -15,7 +15,8 @@ class Tree:
     tokens: torch.Tensor    # (N,) long, token of each node; node 0 is the root
     parents: torch.Tensor   # (N,) long, parent index (< own index), -1 for the root
     depths: torch.Tensor    # (N,) long, 0 for the root
-    scores: torch.Tensor    # (N,) float, the draft's cumulative log-probability (0 at the root)
+    scores: torch.Tensor    # (N,) float, the draft's cumulative log-probability; 0 at the root
+                            # and where the draft gives none (chains, static trees)
 
     @property
     def size(self) -> int:
@@ -27,7 +28,7 @@ def make_tree(tokens, parents, scores=None) -> Tree:
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     parents = torch.as_tensor(parents, dtype=torch.long, device=tokens.device)
     depths = torch.zeros_like(parents)
-    for n in range(1, parents.shape[0]):          # once per tree build, not per decoding step
+    for n in range(1, parents.shape[0]):          # a parent comes before its children
         depths[n] = depths[parents[n]] + 1
     if scores is None:
         scores = torch.zeros(tokens.shape[0], device=tokens.device)
@@ -99,8 +100,6 @@ class StaticTree:
     parents: torch.Tensor   # (N,) long
     depths: torch.Tensor    # (N,) long
     ranks: torch.Tensor     # (N,) long, the node's rank among its parent's candidates (0 = root)
-    mask: torch.Tensor      # (N, N) bool ancestor mask
-    retrieve: torch.Tensor  # (L, M) root-to-leaf node indices
 
 
 def static_tree(paths: list) -> StaticTree:
@@ -114,12 +113,11 @@ def static_tree(paths: list) -> StaticTree:
     parents = torch.tensor([index[p[:-1]] if p else -1 for p in order])
     depths = torch.tensor([len(p) for p in order])
     ranks = torch.tensor([p[-1] if p else 0 for p in order])
-    mask = ancestor_mask(parents, depths)
-    return StaticTree(parents, depths, ranks, mask, retrieve_indices(mask, depths))
+    return StaticTree(parents, depths, ranks)
 
 
 def grow_tree(expand, root: int, depth: int, top_k: int, total: int, vocab_ids=None,
-              keep_growing=None) -> tuple:
+              keep_growing=None) -> Tree:
     """EAGLE-2's dynamic draft tree (Li et al. 2024, arXiv 2406.16858, Sec. 4).
 
     For `depth` rounds, expand the `top_k` nodes of the newest layer with the highest cumulative
@@ -131,7 +129,7 @@ def grow_tree(expand, root: int, depth: int, top_k: int, total: int, vocab_ids=N
     or (F, R) over a reduced draft vocabulary whose target ids are vocab_ids (R,).
     keep_growing(cumulative log-probabilities of the next frontier (F,)) -> bool, asked before
     every round after the first: False stops drafting early (see proposers.SizeRule).
-    Returns the kept Tree (parents before children) and kept (N,) indices into the grown tree."""
+    Returns the kept Tree (parents before children)."""
     tree = Tree(torch.tensor([root]), torch.tensor([-1]), torch.tensor([0]), torch.zeros(1))
     frontier = torch.tensor([0])
     for step in range(depth):
@@ -152,14 +150,14 @@ def grow_tree(expand, root: int, depth: int, top_k: int, total: int, vocab_ids=N
     return best_nodes(tree, total)
 
 
-def best_nodes(tree: Tree, n: int) -> tuple:
-    """The root and the n nodes with the highest scores, as a Tree, and their (n + 1,) indices.
+def best_nodes(tree: Tree, n: int) -> Tree:
+    """The root and the n nodes with the highest scores, as a Tree.
 
     A stable sort puts a parent before a child of equal score, and a child never scores above
     its parent (scores are cumulative log-probabilities), so the kept nodes form a subtree."""
     order = torch.sort(tree.scores[1:], descending=True, stable=True).indices[:n] + 1
     kept = torch.cat([torch.tensor([0]), order.sort().values])       # (n + 1,) parents first
-    return subtree(tree, kept), kept
+    return subtree(tree, kept)
 
 
 def subtree(tree: Tree, kept: torch.Tensor) -> Tree:
@@ -202,8 +200,9 @@ def add_chain(tree: Tree, tokens: list) -> Tree:
 
 def path_first(tree: Tree, node: int) -> Tree:
     """The same tree with the path root -> node as its first nodes, in depth order, the others
-    after in their order. Why: the verify pass lays nodes out in this order, and a node whose
-    ancestors are exactly the nodes before it reads them in place, where the others' are
+    after in their order (so the nodes are no longer in depth order). Not needed for correctness,
+    a saving of the exact attention: the verify pass lays nodes out in this order, and a node
+    whose ancestors are exactly the nodes before it reads them in place, where the others' are
     gathered for them (model.tail_slots)."""
     path = []
     while node > 0:

@@ -1,6 +1,6 @@
-"""Tree attention masks and the verification rules, in plain torch.
+"""The verification rules, in plain torch: which drafted tokens the target keeps.
 
-Dimensions: N tree nodes, L leaves, M max depth + 1, K drafted chain tokens, V vocab, T new
+Dimensions: N tree nodes, L leaves, M max depth + 1, J drafted chain tokens, V vocab, T new
 tokens, S visible cache slots; "..." is any number of leading batch dimensions (the statistical
 tests verify 1e5 independent drafts in one call).
 
@@ -9,24 +9,6 @@ Names for probabilities, used everywhere in this project:
   q  the DRAFT's distribution, from which a sampled draft token was drawn.
 """
 import torch
-
-
-def attention_mask(start: int, T: int, mask, width: int, device):
-    """(T, width) bool: which of the first `width` cache slots each of the T new tokens sees.
-
-    mask None: causal among the new tokens. mask (T, T): among the new tokens, each sees the whole
-    prefix [0, start) (the committed tokens are everyone's ancestors). mask (T, start + T) or
-    (B, 1, T, start + T): used as given (a draft that keeps a growing tree in its own cache; a
-    batch with padding). Slots from start + T up to width are seen by no one: attention reads
-    whole blocks of slots (model.SLOT_BLOCK), whatever stale keys they hold."""
-    if mask is None:
-        mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    mask = mask.to(device)
-    if mask.shape[-1] != start + T:
-        prefix = torch.ones(T, start, dtype=torch.bool, device=device)
-        mask = torch.cat([prefix, mask], dim=1)                         # (T, start + T)
-    unseen = mask.new_zeros(*mask.shape[:-1], width - start - T)
-    return torch.cat([mask, unseen], dim=-1)
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
@@ -115,20 +97,20 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, r / total.clamp(min=1e-30), p)
 
 
-def accept_chain_sampled(draft, p, q, generator, residual_fn=residual):
+def accept_chain_sampled(draft, p, q, generator):
     """Leviathan et al. 2023, Alg. 1, for a chain drawn from the draft's q.
 
-    draft (..., K) tokens, p (..., K + 1, V) target probabilities at the root and after each draft
-    token, q (..., K, V) the draft's probabilities each token was drawn from.
+    draft (..., J) tokens, p (..., J + 1, V) target probabilities at the root and after each draft
+    token, q (..., J, V) the draft's probabilities each token was drawn from.
     Accept token i with probability min(1, p(x)/q(x)); at the first rejection sample from
-    norm(max(p - q, 0)); if all K are accepted, the bonus comes from p after the last.
+    norm(max(p - q, 0)); if all J are accepted, the bonus comes from p after the last.
     Returns n (...) accepted tokens and bonus (...)."""
-    K = draft.shape[-1]
-    px = p[..., :K, :].gather(-1, draft.unsqueeze(-1)).squeeze(-1)   # (..., K)
-    qx = q.gather(-1, draft.unsqueeze(-1)).squeeze(-1)               # (..., K)
+    J = draft.shape[-1]
+    px = p[..., :J, :].gather(-1, draft.unsqueeze(-1)).squeeze(-1)   # (..., J)
+    qx = q.gather(-1, draft.unsqueeze(-1)).squeeze(-1)               # (..., J)
     u = torch.rand(px.shape, generator=generator, device=px.device)
     ok = u * qx < px                                                 # u < p/q without dividing
     n = ok.long().cumprod(-1).sum(-1)                                # (...)
-    fallback = torch.cat([residual_fn(p[..., :K, :], q), p[..., K:, :]], dim=-2)  # (..., K+1, V)
+    fallback = torch.cat([residual(p[..., :J, :], q), p[..., J:, :]], dim=-2)  # (..., J+1, V)
     row = fallback.gather(-2, n[..., None, None].expand(*n.shape, 1, p.shape[-1])).squeeze(-2)
     return n, sample(row, generator)
