@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tree import ancestor_mask, pad_inputs, positions, retrieve_indices
+from tree import ancestor_mask, positions, retrieve_indices
 from verification import accept_chain_sampled, accept_tree, next_tokens, target_probs, uniform
 
 
@@ -110,10 +110,9 @@ def verify(logits, tree, mask, pos, q, gen: GenConfig, generator) -> tuple:
 
 @torch.inference_mode()
 def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(),
-                  on_tokens=None, on_step=None, pad: bool = False) -> Result:
+                  on_tokens=None, on_step=None) -> Result:
     """Speculative decoding: prefill, then loop { propose, verify, accept, commit cache }.
 
-    pad: verify every tree padded to the proposer's most nodes (one shape for torch.compile).
     The generator serves only drafts that sample (and Leviathan's acceptance of them); the
     target's own draws are keyed on position (see `draws`)."""
     device = target.embed.weight.device
@@ -140,14 +139,11 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
         result.draft_seconds.append(time.perf_counter() - t)
         mask = ancestor_mask(tree.parents, tree.depths)                   # (N, N)
         start = cache.length
-        tokens, pos, seen = tree.tokens, positions(tree.depths, start), mask
-        if pad:
-            tokens, pos, seen = pad_inputs(tokens, pos, mask, max_nodes)
-        logits, hidden = target(tokens[None].to(device), pos[None].to(device), cache, seen,
+        pos = positions(tree.depths, start)                                # (N,)
+        logits, hidden = target(tree.tokens[None].to(device), pos[None].to(device), cache, mask,
                                 taps=taps)
-        logits, hidden = logits[:, :tree.size], hidden[:, :tree.size]    # pads dropped
         result.target_forwards += 1
-        accepted, bonus = verify(logits[0], tree, mask, pos[:tree.size], q, gen, generator)
+        accepted, bonus = verify(logits[0], tree, mask, pos, q, gen, generator)
         cache.keep(start, accepted)                  # keep the accepted path's slots, in order
         proposer.commit(tree, accepted, hidden[0])
         new = tree.tokens[accepted[1:]].tolist() + [bonus]

@@ -18,7 +18,8 @@ and its float16 d and m (tested against the GGUF file); the kernel then holds d 
 the activations' dtype.
 
 `load_quantized` keeps a model's quantized form in a file, so that packing it is one-time work.
-`compiled` is the other swap: a copy of a model whose decoder blocks run through torch.compile.
+`compiled` is the other swap: a copy of a model whose decoder blocks run through torch.compile;
+`Padded` wraps it so that every tree is verified at one size (one compiled shape).
 """
 import copy
 import hashlib
@@ -268,3 +269,40 @@ def shallow_copy(module: nn.Module, stand_in=lambda m: None) -> nn.Module:
     view = copy.copy(module)
     view._modules = {name: shallow_copy(child, stand_in) for name, child in module._modules.items()}
     return view
+
+
+class Padded(nn.Module):
+    """A target whose tree passes run at one size, `size` nodes (`pad_inputs`), their outputs
+    cut back to the tree's: a compiled target then sees one shape. Calls without a tree mask
+    (a prefill, a plain step) pass through."""
+
+    def __init__(self, model: Llama, size: int):
+        super().__init__()
+        self.model, self.size = model, size
+        self.config, self.embed = model.config, model.embed     # what decoding reads of a target
+
+    def new_cache(self, *args, **kwargs):
+        return self.model.new_cache(*args, **kwargs)
+
+    def forward(self, tokens, positions, cache, mask=None, **options):
+        if mask is None:
+            return self.model(tokens, positions, cache, mask, **options)
+        n = tokens.shape[1]
+        tokens, positions, mask = pad_inputs(tokens[0], positions[0], mask, self.size)
+        logits, hidden = self.model(tokens[None], positions[None], cache, mask, **options)
+        return logits[:, :n], hidden[:, :n]                  # the pads' slots go with the rejected
+
+
+def pad_inputs(tokens, pos, mask, size: int) -> tuple:
+    """A tree's tokens (N,), positions (N,) and mask (N, N) padded to `size` nodes, for a
+    fixed-shape (compiled) forward. A pad node repeats the root at its position and sees every
+    node before it (so a padded chain is still a chain to attention, one compiled shape); no
+    real node sees it, so the first N outputs are unchanged and the pad's cache slots are
+    dropped with every other rejected node."""
+    n = tokens.shape[0]
+    if n > size:
+        raise ValueError(f"a tree of {n} nodes does not fit the padded size {size}")
+    full = torch.ones(size, size, dtype=torch.bool).tril()             # (size, size)
+    full[:n, :n] = mask
+    return (torch.cat([tokens, tokens[:1].expand(size - n)]),
+            torch.cat([pos, pos[:1].expand(size - n)]), full)

@@ -19,7 +19,7 @@ from decode import GenConfig, acceptance_by_position, check_room, generate_ar, g
 from methods import (HEAD_KIND, METHODS, RANDOM, SHAPES, TREE_DEFAULTS, MethodConfig,
                      TargetConfig, build_proposer, check_heads, describe, load_target,
                      method_config, parse_flags, room)
-from quantize import compiled
+from quantize import Padded, compiled
 from tree import render_tree
 
 # long enough an answer to watch drafts arrive in bursts
@@ -70,7 +70,8 @@ def bench_decoder(args, method: str, loaded: tuple, gen: GenConfig) -> tuple:
     mc = method_of(args, method, compile=fast)
     proposer, info = build_proposer(mc, path, target, tokenizer,
                                     target.config.max_positions + room(mc) + 1, args.cache_dir)
-    return (lambda ids: generate_spec(target, proposer, ids, gen, tokenizer.stop_ids, pad=fast),
+    verifier = Padded(target, proposer.max_nodes) if fast else target   # one compiled shape
+    return (lambda ids: generate_spec(verifier, proposer, ids, gen, tokenizer.stop_ids),
             info["draft_memory_mb"], describe(mc, info))
 
 
@@ -95,10 +96,11 @@ def run(args) -> dict:
         slots = check_room(target, prompt_ids, gen, room(mc))
         proposer, info = build_proposer(mc, path, target, tokenizer, slots, args.cache_dir)
         show = tree_printer(tokenizer) if args.show_tree else None
+        verifier = Padded(target, proposer.max_nodes) if args.compile else target
         if args.compile:
-            generate_spec(target, proposer, prompt_ids, warm, tokenizer.stop_ids, pad=True)
-        result = generate_spec(target, proposer, prompt_ids, gen, tokenizer.stop_ids, stream, show,
-                               pad=args.compile)
+            generate_spec(verifier, proposer, prompt_ids, warm, tokenizer.stop_ids)
+        result = generate_spec(verifier, proposer, prompt_ids, gen, tokenizer.stop_ids, stream,
+                               show)
         steps = max(len(result.drafted), 1)
         info |= {"drafted_per_step": round(sum(result.drafted) / steps, 2),
                  "acceptance_by_position": [round(a, 3) for a in acceptance_by_position(result)]}

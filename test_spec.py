@@ -931,14 +931,15 @@ def test_prompt_lookup_finds_the_latest_match_and_is_lossless():
 def test_padded_trees_change_nothing():
     # Padding the verified tree to a fixed size (for torch.compile) must not change a token.
     from proposers import PromptLookupProposer
+    from quantize import Padded, pad_inputs
     target = tiny_model(6)
     prompt = [3, 4, 5, 6, 7, 8, 3, 4, 5, 6, 7, 8, 3, 4]
     gen = GenConfig(max_new_tokens=40)
     plain = generate_ar(target, prompt, gen).token_ids
-    padded = generate_spec(target, PromptLookupProposer(4), prompt, gen, pad=True)
+    proposer = PromptLookupProposer(4)
+    padded = generate_spec(Padded(target, proposer.max_nodes), proposer, prompt, gen)
     assert padded.token_ids == plain
     assert min(padded.drafted) < 4, "some chains were padded"
-    from tree import pad_inputs
     causal = torch.ones(5, 5, dtype=torch.bool).tril()
     mask = pad_inputs(torch.arange(3), torch.arange(3), causal[:3, :3], 5)[2]
     assert torch.equal(mask, causal), "a padded chain is a chain: no gathered tail to compile"
@@ -946,7 +947,7 @@ def test_padded_trees_change_nothing():
 
 def test_padding_a_tree_changes_no_real_nodes_logits():
     # trees, not only chains: a pad node sees the nodes before it, no real node sees a pad
-    from tree import pad_inputs
+    from quantize import pad_inputs
     target, rng = tiny_model(2), random.Random(0)
     for n in (2, 5, 7):
         tree = random_tree(rng, n)
@@ -962,7 +963,7 @@ def test_padding_a_tree_changes_no_real_nodes_logits():
 
 
 def test_compiled_model_equals_eager():
-    from quantize import compiled
+    from quantize import Padded, compiled
     from proposers import PromptLookupProposer
     target = tiny_model(6).to(torch.float32)
     fast = compiled(target)
@@ -971,7 +972,8 @@ def test_compiled_model_equals_eager():
     gen = GenConfig(max_new_tokens=24)
     plain = generate_ar(target, prompt, gen).token_ids
     assert generate_ar(fast, prompt, gen).token_ids == plain
-    assert generate_spec(fast, PromptLookupProposer(4), prompt, gen, pad=True).token_ids == plain
+    proposer = PromptLookupProposer(4)
+    assert generate_spec(Padded(fast, proposer.max_nodes), proposer, prompt, gen).token_ids == plain
 
 
 def test_cache_room_counts_the_lookup_branch():

@@ -65,21 +65,6 @@ def positions(depths: torch.Tensor, start: int) -> torch.Tensor:
     return depths + start
 
 
-def pad_inputs(tokens, pos, mask, size: int) -> tuple:
-    """A tree's tokens (N,), positions (N,) and mask (N, N) padded to `size` nodes, for a
-    fixed-shape (compiled) forward. A pad node repeats the root at its position and sees every
-    node before it (so a padded chain is still a chain to attention, one compiled shape); no
-    real node sees it, so the first N outputs are unchanged and the pad's cache slots are
-    dropped with every other rejected node."""
-    n = tokens.shape[0]
-    if n > size:
-        raise ValueError(f"a tree of {n} nodes does not fit the padded size {size}")
-    full = torch.ones(size, size, dtype=torch.bool).tril()             # (size, size)
-    full[:n, :n] = mask
-    return (torch.cat([tokens, tokens[:1].expand(size - n)]),
-            torch.cat([pos, pos[:1].expand(size - n)]), full)
-
-
 def retrieve_indices(mask: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
     """(L, M) long: each root-to-leaf path as node indices by depth, padded with -1."""
     is_leaf = mask.sum(0) == 1                      # a leaf is nobody's ancestor but its own
