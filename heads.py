@@ -18,8 +18,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from model import (Block, KVCache, LlamaConfig, LoadError, Rope, attention_mask, cache_dtype,
-                   round_up)
+from attention import attention_mask, round_up
+from model import Block, KVCache, LlamaConfig, LoadError, Rope, cache_dtype
 
 
 @dataclass

@@ -27,6 +27,7 @@ from decode import GenConfig, generate_spec
 from default_model import WEIGHTS, cache_dir, default_model_path
 from heads import (best_paths, choose_tree_size, expected_length, load_head, projection,
                    read_head_config, verify_cost)
+from attention import attend
 from model import Llama, LlamaConfig, LoadError, RopeScaling
 from proposers import (DraftConfig, DraftModelProposer, EagleProposer, LookupEagleProposer,
                        MedusaProposer, PromptLookupProposer, SizeRule)
@@ -601,10 +602,11 @@ def measure_verify_costs(model, tries: int = 3) -> tuple:
 
 def cost_key(model) -> str | None:
     """What a forward's cost depends on: the device and its threads, torch, the code a forward
-    runs (model.py, quantize.py), whether its layers are compiled, and the model's
-    shape, dtype and weight forms (not its weights' values); None without that code's source."""
+    runs (model.py, attention.py, quantize.py), whether its layers are compiled, and the
+    model's shape, dtype and weight forms (not its weights' values); None without that code's
+    source."""
     w, c = model.embed.weight, model.config
-    code = source_digest([inspect.getmodule(f) for f in (Llama, quantize)])
+    code = source_digest([inspect.getmodule(f) for f in (Llama, attend, quantize)])
     if code is None:
         return None
     forms = "/".join(type(m).__name__ for m in (model.layers[0], model.layers[0].mlp.w2,

@@ -13,8 +13,9 @@ import torch
 from verification import sample_at, uniform
 from methods import HEAD_KIND, build_proposer, load_target, room
 from checkpoint import load_model
-from model import (Llama, LlamaConfig, RMSNorm, Rope, apply_rope, attend, attend_reference,
-                   PREFILL_QUERIES, round_up, tail_slots, with_ones)
+from attention import (PREFILL_QUERIES, attend, attend_reference, round_up, tail_slots,
+                       with_ones)
+from model import Llama, LlamaConfig, RMSNorm, Rope, apply_rope
 from quantize import Float32Linear, Int4Linear, Int8Linear, QuantizeError, as_float32, quantize
 from decode import GenConfig, generate_ar, generate_spec
 from test_spec import chi_square_p, default_path  # noqa: F401 (default_path is a fixture)
@@ -146,7 +147,7 @@ def test_attend_computes_plain_softmax_attention():
 
 
 def test_a_prefill_attends_as_the_formula():
-    """More queries than PREFILL_QUERIES go to SDPA (model.attend_prefill): a prompt from slot 0,
+    """More queries than PREFILL_QUERIES go to SDPA (attention.attend_prefill): a prompt from slot 0,
     and one after a cached prefix (a later turn), against the direct formula in float64."""
     H, K, D, T = 4, 2, 16, PREFILL_QUERIES + 5
     g = torch.Generator().manual_seed(6)

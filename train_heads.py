@@ -45,7 +45,8 @@ from export import FORMATS, check_export, export_draft, export_head
 from heads import (EAGLE_ROPE_THETA, HeadConfig, best_paths, build_head, eagle_layer_config,
                    load_head, projection_rows, read_head_config)
 from methods import DRAFT_VOCAB, parse_flags
-from model import KVCache, Llama, LlamaConfig, attention_mask, with_ones
+from attention import attention_mask, with_ones
+from model import KVCache, Llama, LlamaConfig
 from proposers import DraftConfig, DraftModelProposer, EagleProposer, MedusaProposer
 from tokenizer import load_tokenizer
 from tree import static_tree
@@ -367,7 +368,7 @@ def eagle_unroll(head, embed, b: Batch, steps: int) -> list:
 
 def widen(x: torch.Tensor, L: int, ones: bool = False) -> torch.Tensor:
     """One layer's (B, K, S, E) -> (B, K, S + L, E), the new slots zero; ones: values, whose
-    new slots get the column of ones a cache holds (model.with_ones)."""
+    new slots get the column of ones a cache holds (attention.with_ones)."""
     new = x.new_zeros(*x.shape[:2], L, x.shape[3] - ones)
     return torch.cat([x, with_ones(new) if ones else new], dim=2)
 
