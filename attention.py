@@ -1,6 +1,8 @@
 """Attention over a cached prefix, computed so that a query's result is the same bits whatever
 else shares the call: which slots each new token sees (`attention_mask`), the formula
-(`attend_reference`), and the order of summation that makes it exact (`attend`).
+(`attend_reference`), and the order of summation that makes it exact (`attend`) for every
+call decoding makes: a prefill (more than PREFILL_QUERIES queries) is computed by SDPA, and
+its rows no other call computes.
 
 Why exactness needs an order: floating-point sums round differently in different orders, and
 the kernels torch calls choose their order by the shapes they are given. Plain decoding

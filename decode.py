@@ -1,6 +1,6 @@
 """The decoding loops: plain decoding, and speculative decoding's propose / verify / accept /
-commit. They need a target (model.Llama) and, for speculative decoding, a proposer
-(proposers.py); nothing here knows the command line.
+commit. They need a target (model.Llama, or quantize.Padded around one) and, for speculative
+decoding, a proposer (proposers.py); nothing here knows the command line.
 
 Dimensions: T tokens, N tree nodes, V vocab.
 """
@@ -67,8 +67,9 @@ def check_room(model, prompt_ids: list, gen: GenConfig, extra: int = 0) -> int:
 def plain_step(model, ids, pos, cache, gen: GenConfig) -> int:
     """One target forward over ids (1, T) at positions pos -> the target's token after the last:
     its argmax, or its draw keyed on the position it will take."""
+    taken = cache.length + ids.shape[1]    # the position it takes: in plain decoding, its slot
     logits, _ = model(ids, pos, cache, last_only=True)
-    u = draws(gen, [int(pos[0, -1]) + 1])                              # the position it takes
+    u = draws(gen, [taken])
     return int(next_tokens(logits[0, -1], gen.temperature, gen.top_p, u))
 
 

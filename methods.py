@@ -253,7 +253,7 @@ def build_head(mc: MethodConfig, target, tokenizer, slots: int, extra: int = 0,
                cache: str | None = None) -> tuple:
     """Medusa / EAGLE / EAGLE-2 from a trained head folder (default: the shipped weights).
     extra: tokens verified beside the head's tree each step (a lookup chain), for auto's costs;
-    cache: the folder that keeps auto's verify timings (None: timed every time)."""
+    cache: the folder that keeps auto's verify and drafting timings (None: timed every time)."""
     kind = HEAD_KIND[mc.method]
     folder = head_folder(mc.heads, kind)
     head, config = load_head(folder, target, kind)
@@ -514,7 +514,8 @@ def measure_draft_time(proposer, target, tokenizer) -> tuple:
     """-> ({0: median ms a step}, whether the steps' times agreed)."""
     ids = tokenizer.chat_prompt(TIMING_PROMPT)
     generate_spec(target, proposer, ids, GenConfig(8), tokenizer.stop_ids)
-    times = generate_spec(target, proposer, ids, GenConfig(16), tokenizer.stop_ids).draft_seconds
+    # enough tokens for several steps whatever the head accepts (a step may take 4 or more)
+    times = generate_spec(target, proposer, ids, GenConfig(48), tokenizer.stop_ids).draft_seconds
     ms = {0: round(statistics.median(times) * 1000, 3)}
     if len(times) < 4:                         # too few steps to tell a quiet machine
         return ms, False
@@ -524,22 +525,24 @@ def measure_draft_time(proposer, target, tokenizer) -> tuple:
 
 def draft_key(mc: MethodConfig, target, folder: str) -> str | None:
     """What drafting's time depends on besides what a forward's does (`cost_key`): the method
-    and its tree settings, the head's weights file and the drafting code; None without the
-    code's source or the file."""
+    and its tree settings, the head's files (its weights; its config's accuracies shape static
+    trees) and the code that builds, drafts and times (proposers, heads, trees, this file, the
+    loop); None without that code's source or the files."""
     base = cost_key(target)
-    code = source_digest([inspect.getmodule(f) for f in (EagleProposer, best_paths, static_tree)])
-    weights = os.path.join(folder, "model.safetensors")
-    if base is None or code is None or not os.path.isfile(weights):
+    code = source_digest([inspect.getmodule(f) for f in (EagleProposer, best_paths, static_tree,
+                                                         draft_key, generate_spec)])
+    files = [os.path.join(folder, name) for name in ("model.safetensors", "config.json")]
+    if base is None or code is None or not all(map(os.path.isfile, files)):
         return None
-    st = os.stat(weights)
+    stamps = ", ".join(f"{os.path.abspath(f)}:{os.stat(f).st_size}:{os.stat(f).st_mtime_ns}"
+                       for f in files)
     return (f"{base}; drafting {mc.method} depth {mc.depth} top-k {mc.top_k} int8 "
-            f"{mc.draft_int8}, {os.path.abspath(folder)}:{st.st_size}:{st.st_mtime_ns}, "
-            f"code {code}")
+            f"{mc.draft_int8}, {stamps}, code {code}")
 
 
 NOISY = 1.5          # repeats of one size further apart than this: a burst of load
 COSTS_FILE = "verify-costs.json"
-COSTS_KEPT = 64      # entries the file keeps, the latest: each code change adds its own
+COSTS_KEPT = 64      # entries the file keeps, the latest written: each code change adds its own
 
 
 def verify_costs(model, cache: str | None = None) -> dict:
@@ -554,8 +557,8 @@ def verify_costs(model, cache: str | None = None) -> dict:
 
 def kept_costs(cache: str | None, key: str | None, measure, what: str) -> dict:
     """{k: ms} from measure() -> (costs, quiet): kept in cache/verify-costs.json under key when
-    the machine was quiet, read back silently on later runs (delete the file to time them
-    again); cache or key None: measured every time."""
+    the machine was quiet, read back silently on later runs until COSTS_KEPT newer entries
+    push it out (delete the file to time them again); cache or key None: measured every time."""
     if cache is None or key is None:
         return measure()[0]
     path = os.path.join(cache, COSTS_FILE)

@@ -108,8 +108,6 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x32, x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
-
-
 def cache_dtype(dtype: torch.dtype, device) -> torch.dtype:
     """The dtype of the KV cache and of attention for a model in `dtype`: float32 for 16-bit
     models on CPU, where attention's small matmuls run faster in float32 than in 16 bits, and a

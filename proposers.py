@@ -277,8 +277,8 @@ class EagleProposer:
             return self.static_tree(root), None
         rule = self.config.rule
         depth = self.config.depth if depth is None else min(depth, self.config.depth)
-        tree = grow_tree(self.expand, root, depth, self.config.top_k,
-                            self.config.total, self.vocab_ids, rule and rule.keep_growing)
+        tree = grow_tree(self.expand, root, depth, self.config.top_k, self.config.total,
+                         self.vocab_ids, rule and rule.keep_growing)
         if rule is not None:
             n = rule.size(tree.scores[1:].sort(descending=True).values.exp(), riders)
             tree = best_nodes(tree, n)

@@ -284,13 +284,15 @@ class Padded(nn.Module):
     def new_cache(self, *args, **kwargs):
         return self.model.new_cache(*args, **kwargs)
 
-    def forward(self, tokens, positions, cache, mask=None, **options):
+    def forward(self, tokens, positions, cache, mask=None, last_only=False, **options):
         if mask is None:
-            return self.model(tokens, positions, cache, mask, **options)
+            return self.model(tokens, positions, cache, mask, last_only, **options)
         n = tokens.shape[1]
         tokens, positions, mask = pad_inputs(tokens[0], positions[0], mask, self.size)
         logits, hidden = self.model(tokens[None], positions[None], cache, mask, **options)
-        return logits[:, :n], hidden[:, :n]                  # the pads' slots go with the rejected
+        if logits is not None:                               # the real rows (the last: last_only)
+            logits = logits[:, n - 1:n] if last_only else logits[:, :n]
+        return logits, hidden[:, :n]                         # the pads' slots go with the rejected
 
 
 def pad_inputs(tokens, pos, mask, size: int) -> tuple:

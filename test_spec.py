@@ -609,7 +609,7 @@ TRIALS = 100_000
 ALPHA = 1e-3
 
 
-def run_chain(P, Q, gen):
+def run_chain(P, Q, gen, residual_fn=verification.residual):
     """Leviathan verification of 1e5 sampled K=2 chains; returns counts of (t1, t2)."""
     V = P[0].shape[0]
     x1 = sample(Q[0].expand(TRIALS, V), gen)                            # (trials,)
@@ -617,7 +617,7 @@ def run_chain(P, Q, gen):
     draft = torch.stack([x1, x2], 1)                                    # (trials, 2)
     p = torch.stack([P[0].expand(TRIALS, V), P[1][x1], P[2][x1, x2]], 1)   # (trials, 3, V)
     q = torch.stack([Q[0].expand(TRIALS, V), Q[1][x1]], 1)             # (trials, 2, V)
-    n, bonus = accept_chain_sampled(draft, p, q, gen)
+    n, bonus = accept_chain_sampled(draft, p, q, gen, residual_fn)
     t1 = torch.where(n >= 1, x1, bonus)
     # After one token only, the next step's first token follows p(. | t1) (tested marginally).
     t2 = torch.where(n >= 2, x2, torch.where(n == 1, bonus, sample(P[1][t1], gen)))
@@ -644,11 +644,10 @@ def test_sampled_chain_verification_keeps_target_distribution(name, P, Q):
     assert p_value > ALPHA / 10, f"{name}: chi-square p = {p_value:.2e} (Bonferroni over 10)"
 
 
-def test_sampled_chain_negative_control_is_rejected(monkeypatch):
+def test_sampled_chain_negative_control_is_rejected():
     """A wrong residual (sampling p instead of norm(max(p - q, 0))) must fail the same test."""
     _, P, Q = next(chain_configs())
-    monkeypatch.setattr(verification, "residual", lambda p, q: p)
-    counts = run_chain(P, Q, torch.Generator().manual_seed(42))
+    counts = run_chain(P, Q, torch.Generator().manual_seed(42), residual_fn=lambda p, q: p)
     p_value = chi_square_p(counts, target_joint(P[0], P[1]))
     assert p_value < 1e-6, f"a rule that resamples from p after a rejection passed (p = {p_value:.2g})"
 
@@ -947,7 +946,7 @@ def test_padded_trees_change_nothing():
 
 def test_padding_a_tree_changes_no_real_nodes_logits():
     # trees, not only chains: a pad node sees the nodes before it, no real node sees a pad
-    from quantize import pad_inputs
+    from quantize import Padded, pad_inputs
     target, rng = tiny_model(2), random.Random(0)
     for n in (2, 5, 7):
         tree = random_tree(rng, n)
@@ -960,6 +959,12 @@ def test_padding_a_tree_changes_no_real_nodes_logits():
                 outs.append(target(tokens[None], p[None], cache, seen)[0][0, :n])
         # (float64's matmul may round a row by another path at another row count: 1e-12)
         assert torch.allclose(outs[0], outs[1], rtol=0, atol=1e-12), f"a tree of {n} nodes"
+        cache = run_full(target, list(range(1, 10)))[2]
+        with torch.no_grad():                   # the wrapper: the tree's last row, not a pad's
+            last, hidden = Padded(target, 9)(tree.tokens[None], pos[None], cache, mask,
+                                             last_only=True)
+        assert last.shape[1] == 1 and hidden.shape[1] == n
+        assert torch.allclose(last[0, 0], outs[0][-1], rtol=0, atol=1e-12)
 
 
 def test_compiled_model_equals_eager():
@@ -1073,6 +1078,7 @@ def test_draft_time_is_kept_per_head_and_tree_settings(tmp_path, monkeypatch, ca
     model, head, cache = tiny_model(), tmp_path / "head", str(tmp_path / "cache")
     head.mkdir()
     (head / "model.safetensors").write_bytes(b"a head")
+    (head / "config.json").write_text("{}")
     mc = methods.method_config("eagle2")
     key = methods.draft_key(mc, model, str(head))
     assert methods.draft_time(None, model, None, key, cache) == 5.0
@@ -1084,7 +1090,9 @@ def test_draft_time_is_kept_per_head_and_tree_settings(tmp_path, monkeypatch, ca
               methods.draft_key(methods.method_config("eagle"), model, str(head))]
     (head / "model.safetensors").write_bytes(b"a retrained head")
     others.append(methods.draft_key(mc, model, str(head)))
-    assert len({key, *others}) == 4, "keys differ by depth, method and the head's file"
+    (head / "config.json").write_text('{"accuracy": []}')
+    others.append(methods.draft_key(mc, model, str(head)))
+    assert len({key, *others}) == 5, "keys differ by depth, method and the head's files"
     quiet[0] = False
     methods.draft_time(None, model, None, others[0], cache)
     methods.draft_time(None, model, None, others[0], cache)

@@ -1,7 +1,7 @@
 """The verification rules, in plain torch: which drafted tokens the target keeps.
 
-Dimensions: N tree nodes, L leaves, M max depth + 1, J drafted chain tokens, V vocab, T new
-tokens, S visible cache slots; "..." is any number of leading batch dimensions (the statistical
+Dimensions: N tree nodes, L leaves, M max depth + 1, J drafted chain tokens, V vocab; "..." is
+any number of leading batch dimensions (the statistical
 tests verify 1e5 independent drafts in one call).
 
 Names for probabilities, used everywhere in this project:
@@ -97,13 +97,15 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, r / total.clamp(min=1e-30), p)
 
 
-def accept_chain_sampled(draft, p, q, generator):
+def accept_chain_sampled(draft, p, q, generator, residual_fn=residual):
     """Leviathan et al. 2023, Alg. 1, for a chain drawn from the draft's q.
 
     draft (..., J) tokens, p (..., J + 1, V) target probabilities at the root and after each draft
     token, q (..., J, V) the draft's probabilities each token was drawn from.
     Accept token i with probability min(1, p(x)/q(x)); at the first rejection sample from
     norm(max(p - q, 0)); if all J are accepted, the bonus comes from p after the last.
+    residual_fn: the residual's formula, a parameter so that a test can pass a wrong one (the
+    negative control) whatever the body computes.
     Returns n (...) accepted tokens and bonus (...)."""
     J = draft.shape[-1]
     px = p[..., :J, :].gather(-1, draft.unsqueeze(-1)).squeeze(-1)   # (..., J)
@@ -111,6 +113,6 @@ def accept_chain_sampled(draft, p, q, generator):
     u = torch.rand(px.shape, generator=generator, device=px.device)
     ok = u * qx < px                                                 # u < p/q without dividing
     n = ok.long().cumprod(-1).sum(-1)                                # (...)
-    fallback = torch.cat([residual(p[..., :J, :], q), p[..., J:, :]], dim=-2)  # (..., J+1, V)
+    fallback = torch.cat([residual_fn(p[..., :J, :], q), p[..., J:, :]], dim=-2)  # (..., J+1, V)
     row = fallback.gather(-2, n[..., None, None].expand(*n.shape, 1, p.shape[-1])).squeeze(-2)
     return n, sample(row, generator)
