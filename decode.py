@@ -37,14 +37,19 @@ class Result:
         return len(self.token_ids) / max(self.target_forwards, 1)
 
 
-def take(result: Result, new: list, stop_ids, limit: int) -> tuple:
-    """Append new tokens up to a stop token or the limit -> (how many were taken, whether
-    generation is over). What is streamed is what was taken: never past the cut."""
+def take(result: Result, new: list, drafted: list, stop_ids, limit: int, on_tokens) -> tuple:
+    """Append new tokens up to a stop token or the limit, and stream the ones taken (never past
+    the cut) -> (how many were taken, whether generation is over). drafted: per new token,
+    whether it came from an accepted draft (--show-drafts marks those)."""
+    taken, done = len(new), False
     for i, t in enumerate(new):
         result.token_ids.append(t)
         if t in stop_ids or len(result.token_ids) >= limit:
-            return i + 1, True
-    return len(new), False
+            taken, done = i + 1, True
+            break
+    if on_tokens:
+        on_tokens(new[:taken], drafted[:taken])
+    return taken, done
 
 
 def draws(gen: GenConfig, positions) -> torch.Tensor | None:
@@ -84,9 +89,7 @@ def generate_ar(model, prompt_ids: list, gen: GenConfig, stop_ids=(), on_tokens=
     while True:
         token = plain_step(model, ids, pos, cache, gen)
         result.target_forwards += 1
-        _, done = take(result, [token], stop_ids, gen.max_new_tokens)
-        if on_tokens:
-            on_tokens([token], [False])
+        _, done = take(result, [token], [False], stop_ids, gen.max_new_tokens, on_tokens)
         if done or cache.length >= model.config.max_positions:
             break
         ids = torch.tensor([[token]], device=device)
@@ -130,9 +133,7 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
     result.target_forwards = 1
     u = draws(gen, [len(prompt_ids)])                                 # the first new position
     root = int(next_tokens(logits[0, -1], gen.temperature, gen.top_p, u))
-    _, done = take(result, [root], stop_ids, limit)
-    if on_tokens:
-        on_tokens([root], [False])
+    _, done = take(result, [root], [False], stop_ids, limit, on_tokens)
     proposer.start(prompt_ids, hidden[0])
     while not done and cache.length + max_nodes <= ctx:      # every node inside the context
         t = time.perf_counter()          # no sync added: a proposer syncs to read its own choices
@@ -151,9 +152,8 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
         result.accepted.append(len(new) - 1)
         result.drafted.append(tree.size - 1)
         result.depths.append(int(tree.depths.max()))  # not the last node's: see tree.path_first
-        taken, done = take(result, new, stop_ids, limit)
-        if on_tokens:
-            on_tokens(new[:taken], ([True] * (len(new) - 1) + [False])[:taken])
+        taken, done = take(result, new, [True] * (len(new) - 1) + [False], stop_ids, limit,
+                           on_tokens)
         if on_step:                                  # --show-tree: the tokens taken
             on_step(tree, accepted[:1 + min(taken, len(new) - 1)].tolist(),
                     bonus if taken == len(new) else None)
@@ -162,9 +162,7 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
         root = plain_step(target, torch.tensor([[root]], device=device),
                           torch.tensor([[cache.length]], device=device), cache, gen)
         result.target_forwards += 1
-        _, done = take(result, [root], stop_ids, limit)
-        if on_tokens:
-            on_tokens([root], [False])
+        _, done = take(result, [root], [False], stop_ids, limit, on_tokens)
     result.seconds = time.perf_counter() - t0
     return result
 
