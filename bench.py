@@ -89,9 +89,9 @@ def read_bench(path: str, limit: int = 0, categories: str | None = None,
             if not isinstance(turns, list) or not turns or \
                     not all(isinstance(t, str) for t in turns):
                 raise TypeError("turns must be a non-empty list of strings")
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError):
             raise ValueError(f"{path}:{number}: expected a JSON object with 'prompt' (a "
-                             f"string) or 'turns' (a list of strings): {e}") from None
+                             f"string) or 'turns' (a list of strings)") from None
         category = str(row.get("category", "all"))
         seen[category] = seen.get(category, 0) + 1
         if (wanted is None or category in wanted) and \

@@ -294,6 +294,13 @@ def check_flags(p, args) -> None:
     check_ranges(p, args)
     if args.json not in (None, "-"):
         check_writable(p, "--json", args.json)
+    if args.cache_dir:
+        try:                                    # made now: it is where the model is written
+            os.makedirs(args.cache_dir, exist_ok=True)
+        except OSError as e:
+            p.error(f"--cache-dir {args.cache_dir}: cannot make it ({e.strerror})")
+        if not os.access(args.cache_dir, os.W_OK):
+            p.error(f"--cache-dir {args.cache_dir}: cannot write into it")
     if args.plot:
         if os.path.exists(args.plot) and not os.path.isdir(args.plot):
             p.error(f"--plot {args.plot}: a file; give a folder")
