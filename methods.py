@@ -558,23 +558,26 @@ def verify_costs(model, cache: str | None = None) -> dict:
 def kept_costs(cache: str | None, key: str | None, measure, what: str) -> dict:
     """{k: ms} from measure() -> (costs, quiet): kept in cache/verify-costs.json under key when
     the machine was quiet, read back silently on later runs until COSTS_KEPT newer entries
-    push it out (delete the file to time them again); cache or key None: measured every time."""
-    if cache is None or key is None:
-        return measure()[0]
-    path = os.path.join(cache, COSTS_FILE)
-    kept = read_costs(path)
+    push it out (delete the file to time them again); cache or key None: measured every time.
+    Timings taken on a busy machine are said in one line and serve this run only."""
+    path = os.path.join(cache, COSTS_FILE) if cache and key else None
+    kept = read_costs(path) if path else {}
     if key in kept:
         return kept[key]
-    print(f"--tree-size auto: timing {what}, once (kept in {path} if the machine is quiet)",
-          file=sys.stderr)
+    if path:
+        print(f"--tree-size auto: timing {what}, once (kept in {path} if the machine is quiet)",
+              file=sys.stderr)
     costs, quiet = measure()
-    try:
-        if quiet:                          # a busy moment's timings serve this run only
+    if not quiet:
+        print(f"note: the machine is busy: --tree-size auto chose from noisy timings of {what} "
+              "(the text is the same; the speed may not be the best)"
+              + ("; they are taken again next run" if path else ""), file=sys.stderr)
+    if path and quiet:                     # a busy moment's timings serve this run only
+        try:
             os.makedirs(cache, exist_ok=True)
-            latest = dict(list(kept.items())[1 - COSTS_KEPT:])
-            write_json(path, latest | {key: costs})
-    except OSError:                        # a cache that cannot be written: timed next time
-        pass
+            write_json(path, dict(list(kept.items())[1 - COSTS_KEPT:]) | {key: costs})
+        except OSError:                    # a cache that cannot be written: timed next time
+            pass
     return costs
 
 
@@ -588,7 +591,7 @@ def cost_sizes(model) -> tuple:
 
 def measure_verify_costs(model, tries: int = 3) -> tuple:
     """-> ({k: median ms}, whether the repeats agreed). Timings whose repeats disagree are
-    taken again, and said in one line if they stay noisy."""
+    taken again, up to `tries` times."""
     tried = []
     for _ in range(tries):
         times = forward_times(model, cost_sizes(model), repeats=3)
@@ -596,9 +599,6 @@ def measure_verify_costs(model, tries: int = 3) -> tuple:
         tried.append((spread, times))
         if spread <= NOISY:
             break
-    else:
-        print("note: the machine is busy: --tree-size auto chose from noisy timings (the text "
-              "is the same; the speed may not be the best)", file=sys.stderr)
     spread, times = min(tried, key=lambda st: st[0])              # the least noisy try
     return {k: round(statistics.median(t) * 1000, 3) for k, t in times.items()}, spread <= NOISY
 

@@ -1094,7 +1094,10 @@ def test_draft_time_is_kept_per_head_and_tree_settings(tmp_path, monkeypatch, ca
     others.append(methods.draft_key(mc, model, str(head)))
     assert len({key, *others}) == 5, "keys differ by depth, method and the head's files"
     quiet[0] = False
+    capsys.readouterr()
     methods.draft_time(None, model, None, others[0], cache)
+    err = capsys.readouterr().err
+    assert "busy" in err and "the head's drafting" in err and "taken again next run" in err
     methods.draft_time(None, model, None, others[0], cache)
     assert len(runs) == 3, "a noisy time was kept"
     assert methods.draft_key(mc, model, str(tmp_path / "nowhere")) is None
