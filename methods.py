@@ -22,12 +22,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
+from attention import attend
 from checkpoint import load_model, place_folder, read_json, save_tensors, write_json
 from decode import GenConfig, generate_spec
 from default_model import WEIGHTS, cache_dir, default_model_path
 from heads import (best_paths, choose_tree_size, expected_length, load_head, projection,
                    read_head_config, verify_cost)
-from attention import attend
 from model import Llama, LlamaConfig, LoadError, RopeScaling
 from proposers import (DraftConfig, DraftModelProposer, EagleProposer, LookupEagleProposer,
                        MedusaProposer, PromptLookupProposer, SizeRule)
@@ -531,11 +531,12 @@ def draft_key(mc: MethodConfig, target, folder: str) -> str | None:
     base = cost_key(target)
     code = source_digest([inspect.getmodule(f) for f in (EagleProposer, best_paths, static_tree,
                                                          draft_key, generate_spec)])
-    files = [os.path.join(folder, name) for name in ("model.safetensors", "config.json")]
+    files = [os.path.abspath(os.path.join(folder, name))
+             for name in ("model.safetensors", "config.json")]
     if base is None or code is None or not all(map(os.path.isfile, files)):
         return None
-    stamps = ", ".join(f"{os.path.abspath(f)}:{os.stat(f).st_size}:{os.stat(f).st_mtime_ns}"
-                       for f in files)
+    stamps = ", ".join(f"{f}:{st.st_size}:{st.st_mtime_ns}" for f, st in
+                       zip(files, map(os.stat, files)))
     return (f"{base}; drafting {mc.method} depth {mc.depth} top-k {mc.top_k} int8 "
             f"{mc.draft_int8}, {stamps}, code {code}")
 

@@ -37,6 +37,7 @@ from safetensors.torch import load_file
 from torch import nn
 from tqdm import tqdm
 
+from attention import attention_mask, with_ones
 from bench import jsonl_rows
 from checkpoint import load_model, save_tensors, to_hf_names, write_json
 from decode import GenConfig, generate_spec
@@ -45,7 +46,6 @@ from export import FORMATS, check_export, export_draft, export_head
 from heads import (EAGLE_ROPE_THETA, HeadConfig, best_paths, build_head, eagle_layer_config,
                    load_head, projection_rows, read_head_config)
 from methods import DRAFT_VOCAB, parse_flags
-from attention import attention_mask, with_ones
 from model import KVCache, Llama, LlamaConfig
 from proposers import DraftConfig, DraftModelProposer, EagleProposer, MedusaProposer
 from tokenizer import load_tokenizer
