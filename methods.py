@@ -62,7 +62,7 @@ class TargetConfig:
     cache_dir: str | None = None   # the default model's conversion and one-time work go here
     dtype: str = "bfloat16"        # activations, and the weights where they stay float
     device: str = "cpu"
-    weights: str = "auto"          # float, int8, int4; auto: int4 for the default model on CPU
+    weights: str = "auto"          # float, int8, int4; auto: int4 for the default model, bf16, CPU
 
 
 @dataclass
@@ -127,12 +127,14 @@ def pick_device(name: str | None) -> str:
 
 def weight_forms(tc: TargetConfig) -> tuple:
     """(form of the decoder's matrices, of the lm_head). auto: the default model's matrices as
-    the int4 blocks its file holds (16-bit, CPU), any other checkpoint as it is; a quantized
-    model's lm_head in int8 (measured: docs/RESULTS.md)."""
+    the int4 blocks its file holds (bfloat16 on CPU), any other checkpoint as it is; a quantized
+    model's lm_head in int8 (measured: docs/RESULTS.md). Not in float16: torch's int4 and int8
+    CPU kernels are vectorized for bfloat16 activations only, and float16 takes a scalar loop
+    many times slower than float16's own matmul (docs/RESULTS.md)."""
     form = tc.weights
     if form == "auto":
         default = tc.model is None or tc.model.startswith(RANDOM)
-        form = ("int4" if default and tc.dtype in ("bfloat16", "float16")
+        form = ("int4" if default and tc.dtype == "bfloat16"
                 and torch.device(tc.device).type == "cpu" else "float")
     return form, "int8" if form != "float" else "float"
 
@@ -300,12 +302,13 @@ def share_embeddings(draft, target):
 
 
 def draft_form(mc: MethodConfig, module) -> str:
-    """Drafts (heads, the draft model, their projections) run int8 where the kernel applies: a
+    """Drafts (heads, the draft model, their projections) run int8 where the kernel is fast: a
     draft decides what is proposed, never what is accepted, so its rounding can cost acceptance
     but never exactness; their matrices are small and cold, and reading them is most of a
-    drafting round."""
+    drafting round. The kernel is vectorized for bfloat16 inputs only: float32 and float16
+    drafts stay float (int8 would be several times slower there, docs/RESULTS.md)."""
     p = next(module.parameters())
-    usable = p.device.type == "cpu" and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    usable = p.device.type == "cpu" and p.dtype == torch.bfloat16
     return "int8" if mc.draft_int8 and usable else "float"
 
 

@@ -89,7 +89,8 @@ def int4_blocks(w: torch.Tensor, group: int = GROUP) -> tuple:
 
 
 class Int4Linear(nn.Module):
-    """y = x W^T + b with W held as 4-bit groups: torch's CPU kernel, 16-bit activations."""
+    """y = x W^T + b with W held as 4-bit groups: torch's CPU kernel, fast with bfloat16
+    activations (float16 and float32 take its scalar path)."""
 
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias=None,
                  group: int = GROUP):

@@ -203,18 +203,21 @@ def model_flags(p) -> None:
                                        "~/.cache/spec-decode)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"],
                    default="bfloat16", help="activations dtype, and the weights' where they stay "
-                   "float (bfloat16: fast on CPU, and what int4/int8 weights need to be fast)")
+                   "float (bfloat16: fast on CPU, and the one dtype torch's int4/int8 CPU "
+                   "kernels are fast in)")
     p.add_argument("--weights", choices=["auto", "float", "int8", "int4"], default="auto",
                    help="form of the target's matrices: float (the checkpoint's own, in --dtype), "
                         "int8 (per row), int4 (groups of 32, llama.cpp's Q4_1 blocks), through "
                         "torch's weight-only CPU kernels; a quantized model's lm_head is int8. "
                         "auto: int4 for the default model (its file holds Q4_1 blocks, so they "
-                        "come back exactly) in 16 bits on CPU, float otherwise")
+                        "come back exactly) in bfloat16 on CPU, float otherwise (in float16 and "
+                        "float32 those kernels take a slow scalar path)")
     p.add_argument("--device", help="cpu, cuda, mps (default: the best available)")
     p.add_argument("--draft-int8", action=argparse.BooleanOptionalAction, default=True,
                    help="drafts (EAGLE and Medusa heads, the draft model, their projections onto "
                         "the draft vocabulary) run int8 weights (torch's weight-only int8 "
-                        "kernel; CPU, 16/32-bit). A draft only decides what is proposed, so "
+                        "kernel; CPU, bfloat16: in float16 and float32 that kernel is slow, so "
+                        "drafts stay float there). A draft only decides what is proposed, so "
                         "decoding stays lossless")
     p.add_argument("--compile", action="store_true",
                    help="experimental: torch.compile the decoder layers of the target and of "

@@ -204,6 +204,22 @@ def test_int4_refuses_what_it_cannot_hold():
         quantize(torch.nn.Sequential(), "int3")
 
 
+def test_the_quantized_kernels_run_only_where_they_are_fast():
+    """torch's int4 and int8 CPU kernels are vectorized for bfloat16 activations only; in
+    float16 and float32 they run a scalar loop several times slower than the float matmul
+    (docs/RESULTS.md). So auto packs the default model as int4 in bfloat16 only, and drafts run
+    int8 only in bfloat16."""
+    from methods import TargetConfig, draft_form, method_config, weight_forms
+    assert weight_forms(TargetConfig()) == ("int4", "int8")
+    assert weight_forms(TargetConfig(weights="int4", dtype="float32")) == ("int4", "int8")  # asked
+    mc = method_config("eagle2")
+    assert draft_form(mc, linear(dtype=torch.bfloat16)) == "int8"
+    for dtype in ("float16", "float32"):
+        assert weight_forms(TargetConfig(dtype=dtype)) == ("float", "float"), dtype
+        assert draft_form(mc, linear(dtype=getattr(torch, dtype))) == "float", dtype
+    assert draft_form(method_config("eagle2", draft_int8=False), linear()) == "float"
+
+
 @torch.no_grad()
 def test_a_kept_quantized_form_is_the_same_model_and_is_made_again_when_stale(tmp_path, capsys):
     """load_quantized keeps the packed form in a file: read back, it is the quantized model bit
