@@ -117,8 +117,8 @@ def pick_device(name: str | None) -> str:
         try:
             torch.empty(0, device=name)
         except (RuntimeError, AssertionError) as e:       # unknown name, or no such backend
-            raise ValueError(f"--device {name} is not available here "
-                             f"({str(e).splitlines()[0]})") from None
+            reason = str(e).splitlines()[0].split(". ")[0]      # torch's first sentence
+            raise ValueError(f"--device {name} is not available here ({reason})") from None
         return name
     if torch.cuda.is_available():
         return "cuda"
