@@ -75,7 +75,7 @@ class MethodConfig:
     ngram_max: int = 3             # prompt lookup: longest n-gram matched
     draft: str | None = None       # draft model folder; None: the distilled draft shipped
     heads: tuple = ()              # trained head folders; none: the heads shipped
-    draft_int8: bool = True        # drafts run int8 weights where the kernel applies
+    draft_int8: bool = True        # drafts run int8 where the kernel is fast (bf16, CPU)
     compile: bool = False          # torch.compile the decoder blocks (trees padded)
     verbose: bool = False          # print the prices --tree-size auto chose from
 
@@ -117,7 +117,7 @@ def pick_device(name: str | None) -> str:
         try:
             torch.empty(0, device=name)
         except (RuntimeError, AssertionError) as e:       # unknown name, or no such backend
-            reason = str(e).splitlines()[0].split(". ")[0]      # torch's first sentence
+            reason = (str(e).splitlines() or [""])[0].split(". ")[0]      # torch's first sentence
             raise ValueError(f"--device {name} is not available here ({reason})") from None
         return name
     if torch.cuda.is_available():
@@ -128,9 +128,9 @@ def pick_device(name: str | None) -> str:
 def weight_forms(tc: TargetConfig) -> tuple:
     """(form of the decoder's matrices, of the lm_head). auto: the default model's matrices as
     the int4 blocks its file holds (bfloat16 on CPU), any other checkpoint as it is; a quantized
-    model's lm_head in int8 (measured: docs/RESULTS.md). Not in float16: torch's int4 and int8
-    CPU kernels are vectorized for bfloat16 activations only, and float16 takes a scalar loop
-    many times slower than float16's own matmul (docs/RESULTS.md)."""
+    model's lm_head in int8 (measured: docs/RESULTS.md). Not in float16 or float32: torch's
+    int4 and int8 CPU kernels are vectorized for bfloat16 activations only; the others take a
+    scalar loop many times slower than their own matmul (docs/RESULTS.md)."""
     form = tc.weights
     if form == "auto":
         default = tc.model is None or tc.model.startswith(RANDOM)

@@ -216,8 +216,8 @@ def model_flags(p) -> None:
     p.add_argument("--draft-int8", action=argparse.BooleanOptionalAction, default=True,
                    help="drafts (EAGLE and Medusa heads, the draft model, their projections onto "
                         "the draft vocabulary) run int8 weights (torch's weight-only int8 "
-                        "kernel; CPU, bfloat16: in float16 and float32 that kernel is slow, so "
-                        "drafts stay float there). A draft only decides what is proposed, so "
+                        "kernel, on CPU in bfloat16 only: in float16 and float32 it is slow, so "
+                        "drafts stay float). A draft only decides what is proposed, so "
                         "decoding stays lossless")
     p.add_argument("--compile", action="store_true",
                    help="experimental: torch.compile the decoder layers of the target and of "

@@ -218,6 +218,9 @@ def test_the_quantized_kernels_run_only_where_they_are_fast():
         assert weight_forms(TargetConfig(dtype=dtype)) == ("float", "float"), dtype
         assert draft_form(mc, linear(dtype=getattr(torch, dtype))) == "float", dtype
     assert draft_form(method_config("eagle2", draft_int8=False), linear()) == "float"
+    assert weight_forms(TargetConfig(model="random:smollm2-135m")) == ("int4", "int8")
+    for other in (TargetConfig(model="some/folder"), TargetConfig(device="cuda")):
+        assert weight_forms(other) == ("float", "float"), other     # a checkpoint as it is; GPU
 
 
 @torch.no_grad()

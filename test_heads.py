@@ -73,8 +73,8 @@ def test_greedy_with_random_heads_equals_plain_greedy(kind):
 
 def test_int8_drafts_use_the_quantized_weights_and_stay_lossless():
     """--draft-int8: every Linear of an EAGLE or Medusa head and the proposer's projection run
-    torch's int8 kernel on per-row-quantized weights (float32 here: the kernel takes 16/32-bit
-    inputs); greedy output still equals plain decoding."""
+    torch's int8 kernel on per-row-quantized weights (float32 here: the kernel accepts
+    it too; --draft-int8 uses it only in bfloat16, where it is fast); greedy output still equals plain decoding."""
     from heads import projection
     from quantize import Int8Linear, convert, quantize
     w = torch.nn.Linear(32, 48)
