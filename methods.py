@@ -560,10 +560,11 @@ def verify_costs(model, cache: str | None = None) -> dict:
 
 
 def kept_costs(cache: str | None, key: str | None, measure, what: str) -> dict:
-    """{k: ms} from measure() -> (costs, quiet): kept in cache/verify-costs.json under key when
-    the machine was quiet, read back silently on later runs until COSTS_KEPT newer entries
-    push it out (delete the file to time them again); cache or key None: measured every time.
-    Timings taken on a busy machine are said in one line and serve this run only."""
+    """The costs {k: ms} that measure() -> (costs, quiet) takes: kept in cache/verify-costs.json
+    under key when the machine was quiet, read back silently on later runs until COSTS_KEPT
+    newer entries push them out (delete the file to time them again); cache or key None:
+    measured every time. Timings taken on a busy machine are said in one line and serve this
+    run only."""
     path = os.path.join(cache, COSTS_FILE) if cache and key else None
     kept = read_costs(path) if path else {}
     if key in kept:

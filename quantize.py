@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from attention import whole_groups
 from checkpoint import (config_from_hf, load_model, read_json, safetensors_files, save_tensors,
                         to_our_names)
 from model import Block, Llama
@@ -124,17 +125,14 @@ class Int4Linear(nn.Module):
 
 
 class Float32Linear(nn.Linear):
-    """nn.Linear for float32 on CPU, rows padded to a multiple of 4: the float32 matrix kernel
-    (MKL) computes rows in groups of 4 and a remainder of 1-3 rows another way, which rounds
-    differently (tested)."""
-    GROUP = 4
+    """nn.Linear for float32 on CPU, rows padded to whole groups of 4 (`attention.whole_groups`,
+    as attention's own float32 matmuls): the float32 matrix kernel (MKL) computes a remainder
+    of 1-3 rows another way, which rounds differently (tested)."""
 
     def forward(self, x):
         rows = x.reshape(-1, x.shape[-1])                                   # (M, I)
-        M = rows.shape[0]
-        if M % self.GROUP:
-            rows = torch.cat([rows, rows.new_zeros(-M % self.GROUP, rows.shape[1])])
-        return F.linear(rows, self.weight, self.bias)[:M].view(*x.shape[:-1], -1)
+        y = F.linear(whole_groups(rows), self.weight, self.bias)            # (M', O)
+        return y[:rows.shape[0]].view(*x.shape[:-1], -1)
 
 
 def as_float32(linear: nn.Linear) -> Float32Linear:
