@@ -6,7 +6,9 @@ prompts (Spec-Bench's `turns`) continue each method's own conversation.
 """
 import json
 import os
+import platform
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -15,9 +17,10 @@ from tqdm import tqdm
 
 from checkpoint import write_whole
 from decode import GenConfig, Result
-from default_model import WEIGHTS, cache_dir
-from methods import (TargetConfig, draft_folder, forward_costs, load_target, machine_name,
-                     module_bytes)
+from costs import forward_costs
+from default_model import WEIGHTS
+from export import export_draft
+from methods import TargetConfig, load_target, module_bytes
 
 
 COMPILED = "+compile"                # --bench --compile: the compiled twin of each method
@@ -340,10 +343,11 @@ def peer_decoder(bc: BenchConfig, name: str, loaded: tuple, gen: GenConfig,
     if name == "hf-ngram":
         options["prompt_lookup_num_tokens"] = 10
     elif name == "hf-assisted":
-        folder = draft_folder(bc.draft or os.path.join(WEIGHTS, "smollm2-135m-draft"), path,
-                              cache_dir(bc.target.cache_dir))
-        # its own copy: generate() adapts the assistant's draft length in its generation_config
-        helper = hf_model(folder, dtype, device, {})[0]
+        with tempfile.TemporaryDirectory() as tmp:      # a whole HF folder, for transformers
+            folder = os.path.join(tmp, "draft")
+            export_draft(bc.draft or os.path.join(WEIGHTS, "smollm2-135m-draft"), path, folder)
+            # its own copy: generate() adapts the assistant's draft length in its generation_config
+            helper = hf_model(folder, dtype, device, {})[0]
         options["assistant_model"] = helper
         extra_mb = sum(p.numel() * p.element_size() for p in helper.parameters()) / 2**20
 
@@ -401,3 +405,15 @@ def verify_curve(tc: TargetConfig) -> dict:
     return {"machine": machine_name(tc.device), "dtype": tc.dtype, "device": tc.device,
             "model": path,
             "ms": {f"{b}x{k}": t for b, ms in curves.items() for k, t in ms.items()}}
+
+
+def machine_name(device: str) -> str:
+    """The CPU's (or GPU's) name and the thread count, for the reports."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        name = platform.processor() or platform.machine()
+    return f"{name} x{torch.get_num_threads()}"

@@ -187,17 +187,16 @@ def check_tensors(tensors: dict, c: LlamaConfig) -> None:
                             f"config.json implies {shape}")
 
 
-def load_model(folder: str, dtype=torch.float32, device="cpu") -> Llama:
-    """Load a Hugging Face Llama folder (config.json + safetensors, sharded or not)."""
+def load_model(folder: str, dtype=torch.float32, device="cpu", embeddings_from=None) -> Llama:
+    """Load a Hugging Face Llama folder (config.json + safetensors, sharded or not).
+    embeddings_from: a folder whose embedding (and untied lm_head) fill in the ones `folder`
+    lacks (the distilled draft is saved without the target's frozen embedding)."""
     if not os.path.isdir(folder):
         raise LoadError(f"model folder not found: {folder}")
-    path = os.path.join(folder, "config.json")
-    hf = read_json(path, "config.json")               # its own errors name the file
-    try:
-        config = config_from_hf(hf)
-    except LoadError as e:
-        raise LoadError(f"{path}: {e}") from None
+    config = folder_config(folder)
     tensors = read_safetensors(safetensors_files(folder), dtype)
+    if embeddings_from and "model.embed_tokens.weight" not in tensors:
+        tensors = borrowed_embeddings(folder, config, embeddings_from, dtype) | tensors
     check_tensors(tensors, config)
     with torch.device("meta"):
         model = Llama(config, init=False)
@@ -205,6 +204,30 @@ def load_model(folder: str, dtype=torch.float32, device="cpu") -> Llama:
     if config.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     return model.to(device).eval()
+
+
+def folder_config(folder: str) -> LlamaConfig:
+    path = os.path.join(folder, "config.json")
+    hf = read_json(path, "config.json")               # its own errors name the file
+    try:
+        return config_from_hf(hf)
+    except LoadError as e:
+        raise LoadError(f"{path}: {e}") from None
+
+
+def borrowed_embeddings(folder: str, config: LlamaConfig, source: str, dtype=None) -> dict:
+    """{HF name: tensor}: the embedding (and an untied lm_head) of the model in `source`, for
+    the model in `folder`, which was saved without them; cast to dtype (None: as stored)."""
+    names = ["model.embed_tokens.weight"] + ([] if config.tie_embeddings else ["lm_head.weight"])
+    tensors = {}
+    for path in safetensors_files(source):
+        with safe_open(path, framework="pt") as f:
+            tensors |= {n: f.get_tensor(n) for n in names if n in f.keys()}
+    missing = [n for n in names if n not in tensors]
+    if missing:                             # an untied draft of a tied target, say
+        raise LoadError(f"{folder}: its embeddings come from {source}, which has no "
+                        f"{', '.join(missing)}")
+    return {n: t if dtype is None else t.to(dtype) for n, t in tensors.items()}
 
 
 def write_whole(path: str, write) -> None:

@@ -24,9 +24,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from checkpoint import config_from_hf, read_json, save_tensors, to_hf_names, to_our_names
+from checkpoint import (borrowed_embeddings, config_from_hf, folder_config, read_json, save_tensors,
+                        to_hf_names, to_our_names)
 from heads import EAGLE_ROPE_THETA, EagleHead, HeadConfig, load_head, read_head_config
-from methods import draft_folder
 from model import LlamaConfig, LoadError
 
 FORMATS = ("eagle", "hf")
@@ -150,8 +150,7 @@ def write_folder(out: str, fill) -> None:
             shutil.rmtree(aside, ignore_errors=True)
 
 
-def export_draft(draft_dir: str, target_folder: str, out: str, cache: str,
-                 force: bool = False) -> None:
+def export_draft(draft_dir: str, target_folder: str, out: str, force: bool = False) -> None:
     """The distilled draft in draft_dir as a whole HF folder in out (its embedding taken from
     the target where it shares it), whole or not at all."""
     check_export(draft_dir, out, "hf", force)
@@ -162,8 +161,18 @@ def export_draft(draft_dir: str, target_folder: str, out: str, cache: str,
         raise LoadError(f"{draft_dir}: a draft of hidden size {draft.get('hidden_size')} and vocab "
                         f"{draft.get('vocab_size')}, but the target {target_folder} has "
                         f"{target.get('hidden_size')} and {target.get('vocab_size')}")
-    whole = draft_folder(draft_dir, target_folder, cache)
-    write_folder(out, lambda tmp: shutil.copytree(whole, tmp, dirs_exist_ok=True))
+    weights = os.path.join(draft_dir, "model.safetensors")
+    try:
+        tensors = load_file(weights)
+    except (OSError, SafetensorError) as e:
+        raise LoadError(f"{weights}: cannot read it ({e})") from None
+    if "model.embed_tokens.weight" not in tensors:           # the target's, as it stores them
+        tensors |= borrowed_embeddings(draft_dir, folder_config(draft_dir), target_folder)
+
+    def fill(tmp):
+        shutil.copytree(draft_dir, tmp, dirs_exist_ok=True)
+        save_tensors(tensors, os.path.join(tmp, "model.safetensors"), {"format": "pt"})
+    write_folder(out, fill)
 
 
 def read_eagle(folder: str) -> EagleHead:

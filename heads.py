@@ -237,26 +237,11 @@ def expected_length(accuracy: list, size: int) -> float:
     return total
 
 
-def choose_tree_size(expected: dict, cost_ms: dict, draft_ms: dict, extra: int = 0) -> tuple:
-    """The size n maximizing expected tokens per second, expected[n] / (draft_ms[n] + verify of
-    n + 1 + extra tokens), with the verify cost interpolated linearly between the measured k in
-    cost_ms (and proportional past the last, `verify_cost`). draft_ms {n: ms of drafting n
-    nodes}; extra: tokens that ride along in every verify pass (eagle2+ngram's lookup chain).
-    -> (n, {n: predicted tokens per second}, {n: verify ms of n + 1 + extra tokens})."""
-    verify_ms = {n: verify_cost(cost_ms, n + 1 + extra) for n in expected}
-    speed = {n: 1000 * e / (draft_ms[n] + verify_ms[n]) for n, e in expected.items()}
-    return max(speed, key=speed.get), speed, verify_ms
-
-
-def verify_cost(cost_ms: dict, k: int) -> float:
-    """ms of a forward over k tokens, linear between the measured sizes in cost_ms {k: ms}."""
-    ks = sorted(cost_ms)
-    if k >= ks[-1]:
-        return cost_ms[ks[-1]] * k / ks[-1]          # beyond the last measurement: proportional
-    if k <= ks[0]:
-        return cost_ms[ks[0]]
-    lo = max(j for j in ks if j <= k)
-    hi = min(j for j in ks if j >= k)
-    if hi == lo:
-        return cost_ms[lo]
-    return cost_ms[lo] + (cost_ms[hi] - cost_ms[lo]) * (k - lo) / (hi - lo)
+def choose_tree_size(expected: dict, verify_ms, draft_ms: dict, extra: int = 0) -> tuple:
+    """The size n maximizing expected tokens per second, expected[n] / (draft_ms[n] +
+    verify_ms(n + 1 + extra)). verify_ms(k): ms of a forward over k tokens; draft_ms {n: ms of
+    drafting n nodes}; extra: tokens that ride along in every verify pass (eagle2+ngram's
+    lookup chain). -> (n, {n: predicted tokens per second}, {n: verify ms})."""
+    verify = {n: verify_ms(n + 1 + extra) for n in expected}
+    speed = {n: 1000 * e / (draft_ms[n] + verify[n]) for n, e in expected.items()}
+    return max(speed, key=speed.get), speed, verify

@@ -4,7 +4,7 @@ Dimensions: N tree nodes, J drafted chain tokens, V vocab, P pending tokens, C f
 Every proposer follows the `Proposer` protocol, which decode.generate_spec drives.
 """
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -37,28 +37,30 @@ class Proposer(Protocol):
 
 @dataclass
 class SizeRule:
-    """EAGLE-2's tree size chosen per step from the draft's own confidence, priced on this machine.
+    """EAGLE-2's tree size chosen per step from the draft's own confidence, at prices learned on
+    this machine (costs.py).
 
     A drafted node's probability of being accepted is about exp(its cumulative log-probability)
     (measured, shipped head, MT-bench: nodes scored 0.3-0.4 were accepted 30% of the time,
     0.5-0.6 53%, 0.9-1.0 96%), so verifying the n best nodes is expected to yield
-    1 + p_1 + ... + p_n tokens. Each step takes the n that maximizes that minus the verify pass's
-    price, rate x verify_ms[n + 1 + riders]: a millisecond is worth `rate` tokens, the rate the
-    method reaches (tokens per ms; maximizing gain minus rate x cost per step is what maximizes
-    the long-run rate, Dinkelbach's rule). Confident steps verify big trees, unsure ones small
-    ones, down to the root alone (the cheap 1-token pass). Drafting stops early when the next
-    round cannot pay for itself: its nodes together are accepted with at most the frontier's
-    summed probability (a node's children share its own), which must beat rate x round_ms."""
-    verify_ms: list          # [k] ms of a target forward over k tokens (index 0 unused)
-    rate: float              # tokens per ms
-    round_ms: float          # ms of one drafting round
+    1 + p_1 + ... + p_n tokens. Each step takes the n that maximizes that minus the verify pass's price,
+    rate x verify_ms(n + 1 + riders): a millisecond is worth `rate` tokens, the rate the method
+    reaches (maximizing gain minus rate x cost per step is what maximizes the long-run rate,
+    Dinkelbach's rule). Confident steps verify big trees, unsure ones small ones, down to the
+    root alone (the cheap 1-token pass). Drafting stops early when the next round cannot pay
+    for itself: its nodes together are accepted with at most the frontier's summed probability
+    (a node's children share its own), which must beat rate x round_ms."""
+    most: int                # most drafted nodes a step verifies
+    verify_ms: Callable = lambda k: 0.0   # ms of a target forward over k tokens
+    rate: float = 0.0        # tokens per ms
+    round_ms: float = 0.0    # ms of one drafting round
 
     def size(self, probs: torch.Tensor, riders: int = 0) -> int:
         """probs (M,) the drafted nodes' acceptance estimates, best first -> how many to verify.
         riders: tokens verified beside the tree (a lookup chain)."""
-        M = max(min(probs.shape[0], len(self.verify_ms) - 2 - riders), 0)
+        M = min(probs.shape[0], self.most)
         gain = torch.cat([probs.new_zeros(1), probs[:M].cumsum(0)])      # (M + 1,)
-        price = self.rate * torch.tensor(self.verify_ms[1 + riders:M + 2 + riders])
+        price = self.rate * torch.tensor([self.verify_ms(n + 1 + riders) for n in range(M + 1)])
         return int((gain - price.to(gain.dtype)).argmax())
 
     def keep_growing(self, frontier_logp: torch.Tensor) -> bool:
@@ -174,13 +176,13 @@ class PromptLookupProposer:
     No weights and no model: strong where the output copies its input (summaries, retrieval,
     code edits). The chain is deterministic, so sampling verifies it with the tree rule."""
 
-    def __init__(self, depth: int = 4, max_ngram: int = 3, by_match: bool = False):
-        """by_match: a match of n tokens drafts depth * n / max_ngram of them, not depth: a
-        chain after a 3-token match is accepted deeper than one after a single matching token,
-        which is more often a coincidence (chain lengths measured: docs/RESULTS.md)."""
+    def __init__(self, depth: int = 6, max_ngram: int = 3):
+        """A match of n tokens drafts depth * n / max_ngram of them: a chain after a 3-token
+        match is accepted deeper than one after a single matching token, which is more often a
+        coincidence (chain lengths measured: docs/RESULTS.md)."""
         if depth < 1 or max_ngram < 1:
             raise ValueError(f"prompt lookup needs depth >= 1 and n >= 1, got {depth}, {max_ngram}")
-        self.depth, self.max_ngram, self.by_match = depth, max_ngram, by_match
+        self.depth, self.max_ngram = depth, max_ngram
         self.max_nodes = depth + 1
         self.taps = ()
         self.context = torch.zeros(0, dtype=torch.long)   # the committed tokens
@@ -204,8 +206,7 @@ class PromptLookupProposer:
             hits = (windows == ctx[-n:]).all(1).nonzero()
             if hits.numel():
                 start = int(hits[-1]) + n
-                length = self.depth * n // self.max_ngram if self.by_match else self.depth
-                return ctx[start:start + length], n
+                return ctx[start:start + self.depth * n // self.max_ngram], n
         return ctx[:0], 0
 
     def commit(self, tree: Tree, accepted: torch.Tensor, hidden=None) -> None:

@@ -17,13 +17,12 @@ by default_model.py) gets its original blocks back: `int4_blocks` recovers the f
 and its float16 d and m (tested against the GGUF file); the kernel then holds d and m + 8d in
 the activations' dtype.
 
-`load_quantized` keeps a model's quantized form in a file, so that packing it is one-time work.
+`load_quantized` keeps a model's quantized form in a named file beside its weights, so that
+packing it is one-time work.
 `compiled` is the other swap: a copy of a model whose decoder blocks run through torch.compile;
 `Padded` wraps it so that every tree is verified at one size (one compiled shape).
 """
 import copy
-import hashlib
-import inspect
 import os
 import sys
 
@@ -33,8 +32,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from attention import whole_groups
-from checkpoint import (config_from_hf, load_model, read_json, safetensors_files, save_tensors,
-                        to_our_names)
+from checkpoint import config_from_hf, load_model, read_json, save_tensors
 from model import Block, Llama
 
 WEIGHTS = ("float", "int8", "int4")
@@ -178,44 +176,25 @@ def quantize(module: nn.Module, form: str, head_form: str | None = None) -> nn.M
 
 def load_quantized(folder: str, dtype, form: str, head_form: str, keep: str) -> Llama:
     """load_model(folder) on the CPU in `form` (lm_head in `head_form`), read from the file
-    `keep` where it holds that form of this folder's weights, made by this code, torch and
-    instruction set; else quantized here and written there once, whole or not at all (packing
-    the blocks is most of a start)."""
-    stamp = keep_stamp(folder, dtype, form, head_form)
-    model = read_kept(folder, keep, stamp, form, head_form) if stamp else None
+    `keep` (beside the folder's weights: a named artifact, deleted to pack again) where it holds
+    that form for this torch and instruction set; else quantized here and written there once,
+    whole or not at all (packing the blocks is most of a start)."""
+    stamp = kept_stamp(dtype, form, head_form)
+    model = read_kept(folder, keep, stamp, form, head_form)
     if model is None:
-        print(f"Packing the model's {form} weights, once", file=sys.stderr)
+        print(f"Packing the model's {form} weights, once, into {keep}", file=sys.stderr)
         model = quantize(load_model(folder, dtype, "cpu"), form, head_form)
-        if not (stamp and write_kept(model, keep, stamp)):
+        if not write_kept(model, keep, stamp):
             print(f"note: could not keep them in {keep}: the next start packs them again",
                   file=sys.stderr)
     return model
 
 
-def keep_stamp(folder: str, dtype, form: str, head_form: str) -> dict | None:
-    """What a kept file must have been made from: the weight files as they are now, the code
-    that loads and packs them, and the torch and instruction set whose kernels' layout it
-    holds; None where that code's source is not at hand (nothing is kept then)."""
-    files = [(os.path.basename(p), os.stat(p)) for p in safetensors_files(folder)]
-    source = ";".join(f"{name}:{st.st_size}:{st.st_mtime_ns}" for name, st in files)
-    code = source_digest([GROUP, int4_blocks, Int4Linear, Int8Linear, convert, quantize,
-                          load_model, to_our_names])
-    if code is None:
-        return None
-    return {"source": source, "code": code, "torch": torch.__version__, "dtype": str(dtype),
-            "cpu": torch.backends.cpu.get_cpu_capability(),     # the kernels' instruction set
-            "forms": f"{form}/{head_form}"}
-
-
-def source_digest(objects: list) -> str | None:
-    """A digest of these functions', classes' or modules' source (other values by repr): what
-    a kept result was made by. None where the source is not at hand (only .pyc files)."""
-    try:
-        text = repr([inspect.getsource(o) if callable(o) or inspect.ismodule(o) else o
-                     for o in objects])
-    except (OSError, TypeError):
-        return None
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+def kept_stamp(dtype, form: str, head_form: str) -> dict:
+    """What makes a kept form invalid: the forms, and the torch and instruction set whose
+    kernels' packed layout it holds."""
+    return {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(),
+            "dtype": str(dtype), "forms": f"{form}/{head_form}"}
 
 
 def read_kept(folder: str, keep: str, stamp: dict, form: str, head_form: str) -> Llama | None:

@@ -69,7 +69,7 @@ def bench_decoder(args, method: str, loaded: tuple, gen: GenConfig) -> tuple:
         return (lambda ids: generate_ar(target, ids, gen, tokenizer.stop_ids)), 0.0, "plain"
     mc = method_of(args, method, compile=fast)
     proposer, info = build_proposer(mc, path, target, tokenizer,
-                                    target.config.max_positions + room(mc) + 1, args.cache_dir)
+                                    target.config.max_positions + room(mc) + 1)
     verifier = Padded(target, proposer.max_nodes) if fast else target   # one compiled shape
     return (lambda ids: generate_spec(verifier, proposer, ids, gen, tokenizer.stop_ids),
             info["draft_memory_mb"], describe(mc, info))
@@ -94,7 +94,7 @@ def run(args) -> dict:
     else:
         mc = method_of(args, args.method)
         slots = check_room(target, prompt_ids, gen, room(mc))
-        proposer, info = build_proposer(mc, path, target, tokenizer, slots, args.cache_dir)
+        proposer, info = build_proposer(mc, path, target, tokenizer, slots)
         show = tree_printer(tokenizer) if args.show_tree else None
         verifier = Padded(target, proposer.max_nodes) if args.compile else target
         if args.compile:

@@ -109,7 +109,7 @@ SPEC_CASES = [
     (["--model", "{bad tokenizer}"], "{bad tokenizer}/tokenizer.json: not valid JSON"),
     (["--model", "{no tokenizer}"], "no tokenizer.json or original/tokenizer.model"),
     (["--model", "{good}", "--method", "draft", "--draft", "{cut weights}"],
-     "{cut weights}/model.safetensors: truncated or corrupt"),
+     "cannot read {cut weights}/model.safetensors (truncated or corrupt?)"),
     (["--model", "{good}", "--method", "draft", "--draft", f"{WEIGHTS}/smollm2-135m-eagle"],
      "holds eagle heads, not a draft model"),
     (["--model", "{good}", "--method", "eagle2", "--head", f"{WEIGHTS}/smollm2-135m-draft"],

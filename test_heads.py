@@ -710,7 +710,7 @@ def test_distilled_draft_trains_and_saves_a_folder_transformers_loads(tmp_path):
     import copy
     import transformers
     import train_heads as th
-    from methods import draft_folder
+    from export import export_draft
     from train_heads import init_draft, save_draft
     from checkpoint import load_model
     from proposers import DraftModelProposer
@@ -733,14 +733,14 @@ def test_distilled_draft_trains_and_saves_a_folder_transformers_loads(tmp_path):
 
     save_draft(draft, str(tmp_path / "target"), str(tmp_path / "out"), {"steps": 1},
                embeddings=False)
-    folder = draft_folder(str(tmp_path / "out"), str(tmp_path / "target"), str(tmp_path / "cache"))
-    assert folder != str(tmp_path / "out"), "a folder without embeddings must be completed"
-    ours = load_model(folder, torch.float64)
+    folder = str(tmp_path / "whole")             # for transformers: with the target's embedding
+    export_draft(str(tmp_path / "out"), str(tmp_path / "target"), folder)
+    ours = load_model(str(tmp_path / "out"), torch.float64, embeddings_from=str(tmp_path / "target"))
     hf = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
     rounded = copy.deepcopy(draft).double()
-    with torch.no_grad():
-        for p in rounded.parameters():                          # the file holds 16-bit weights
-            p.copy_(p.bfloat16())
+    with torch.no_grad():                    # the file holds 16-bit weights; the embedding is
+        for name, p in rounded.named_parameters():             # the target's own
+            p.copy_(p if "embed" in name else p.bfloat16())
     ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         got = ours(ids, torch.arange(20)[None], ours.new_cache(1, 32))[0]
@@ -769,27 +769,30 @@ def test_auto_tree_size_picks_the_optimum_of_a_synthetic_curve():
     expected = {n: 1 + 2.2 * (1 - 0.85 ** n) for n in range(1, 49)}      # saturating acceptance
     measured = {1: 20.0, 4: 21.0, 8: 24.0, 16: 34.0, 32: 58.0, 49: 90.0}  # flat, then linear
     ks = sorted(measured)
+    def curve(k):
+        return float(np.interp(k, ks, [measured[k] for k in ks]))
+
     def flat(ms):
         return {n: ms for n in expected}
 
     for draft_ms, extra in ((flat(0.0), 0), (flat(9.0), 0), (flat(40.0), 0), (flat(9.0), 8),
                             ({n: 2.0 * n for n in expected}, 0)):
-        n, speed, _ = choose_tree_size(expected, measured, draft_ms, extra)
+        n, speed, _ = choose_tree_size(expected, curve, draft_ms, extra)
         brute = {m: e / (draft_ms[m] + np.interp(m + 1 + extra, ks, [measured[k] for k in ks]))
                  for m, e in expected.items()}
         assert n == max(brute, key=brute.get)
         assert speed[n] == pytest.approx(1000 * brute[n])
     # a costlier draft makes bigger trees pay: the choice must move up
-    assert (choose_tree_size(expected, measured, flat(40.0))[0] >
-            choose_tree_size(expected, measured, flat(0.0))[0])
+    assert (choose_tree_size(expected, curve, flat(40.0))[0] >
+            choose_tree_size(expected, curve, flat(0.0))[0])
 
 
 def test_static_eagle_trees_pay_a_drafting_round_per_depth_level():
     # EAGLE's static tree feeds the head once per level, so --tree-size auto prices its drafting
     # by the depth of the tree each size gets; Medusa (one pass) and EAGLE-2 (all its rounds
     # always) pay the time measured, whatever the size
+    from costs import draft_costs
     from heads import best_paths, choose_tree_size, expected_length
-    from methods import draft_costs
     accuracy = [[0.6, 0.2, 0.1, 0.05], [0.6, 0.15, 0.05], [0.55, 0.1], [0.55, 0.1], [0.55, 0.1]]
     sizes = range(1, 17)
     levels = {n: max(map(len, best_paths(accuracy, n))) for n in sizes}
@@ -802,29 +805,31 @@ def test_static_eagle_trees_pay_a_drafting_round_per_depth_level():
         assert draft_costs(method, accuracy, 6.0, 5, sizes) == {n: 6.0 for n in sizes}
     # deeper trees cost more rounds, so the static tree chosen is no bigger than at a flat price
     expected = {n: expected_length(accuracy, n) for n in sizes}
-    costs = {1: 16.0, 4: 16.5, 8: 18.0, 17: 24.0}
+    import numpy as np
+    def costs(k):
+        return float(np.interp(k, [1, 4, 8, 17], [16.0, 16.5, 18.0, 24.0]))
     by_depth = choose_tree_size(expected, costs, eagle)[0]
     assert by_depth < choose_tree_size(expected, costs, {n: 6.0 for n in sizes})[0]
 
 
 @pytest.mark.slow
-def test_tree_size_auto_runs_end_to_end_and_stays_lossless(default_target, monkeypatch, capsys):
+def test_tree_size_auto_runs_end_to_end_and_stays_lossless(default_target, capsys):
     import methods
     target, tokenizer = default_target
-    # a synthetic verify-cost curve: flat up to 8 tokens, then steep; no cache file written
-    monkeypatch.setattr(methods, "verify_costs", lambda model, cache: {1: 20.0, 9: 21.0,
-                                                                      17: 60.0, 49: 200.0})
-    quiet = methods.method_config("eagle2", tree_size="auto")
-    methods.build_head(quiet, target, tokenizer, 1024)
-    assert capsys.readouterr().err == "", "the prices are shown with --verbose only"
-    shown = methods.method_config("eagle2", tree_size="auto", verbose=True)
-    proposer, info = methods.build_head(shown, target, tokenizer, 1024)
-    err = capsys.readouterr().err
-    assert 1 <= info["tree_size"] <= 16 and "<- chosen" in err
-    assert info["per_step"] and proposer.config.rule is not None and "per step:" in err
     ids = tokenizer.chat_prompt("Name three rivers.")
-    assert (generate_spec(target, proposer, ids, GenConfig(32), tokenizer.stop_ids).token_ids ==
-            generate_ar(target, ids, GenConfig(32), tokenizer.stop_ids).token_ids)
+    plain = generate_ar(target, ids, GenConfig(40), tokenizer.stop_ids).token_ids
+    for method in ("eagle2", "medusa"):
+        quiet = methods.method_config(method, tree_size="auto")
+        methods.build_proposer(quiet, None, target, tokenizer, 1024)
+        assert capsys.readouterr().err == "", "the prices are shown with --verbose only"
+        shown = methods.method_config(method, tree_size="auto", verbose=True)
+        proposer, info = methods.build_proposer(shown, None, target, tokenizer, 1024)
+        assert info["tree_size"] == "auto"
+        out = generate_spec(target, proposer, ids, GenConfig(40), tokenizer.stop_ids)
+        assert out.token_ids == plain, method
+        err = capsys.readouterr().err
+        assert f"tree size auto ({method}):" in err and " + " in err, err
+        assert len(proposer.prices.verify) >= 2, "the steps' passes were timed"
 
 
 def random_batch(seed: int) -> tuple:
@@ -892,7 +897,7 @@ def test_eagle2_plus_lookup_is_lossless_greedy_and_seeded_when_sampling(temperat
     target = tiny_model(2)
     proposer = LookupEagleProposer(EagleProposer(target, random_eagle(target, 2),
                                                  DraftConfig(3, 3, 5), 256),
-                                   PromptLookupProposer(6, 3, by_match=True))   # as spec.py
+                                   PromptLookupProposer(6, 3))   # as spec.py
     prompt = [4, 8, 15, 16, 23, 42, 4, 8, 15]                  # repeats: lookup has matches
     gen = GenConfig(40, temperature, seed=1)
     out = generate_spec(target, proposer, prompt, gen)
@@ -910,7 +915,7 @@ def test_each_steps_depth_counts_a_lookup_chain_placed_first():
     target = tiny_model(2)
     proposer = LookupEagleProposer(EagleProposer(target, random_eagle(target, 2),
                                                  DraftConfig(3, 3, 5), 256),
-                                   PromptLookupProposer(6, 3, by_match=True))
+                                   PromptLookupProposer(6, 3))
     trees = []
     out = generate_spec(target, proposer, list(range(3, 40)) * 2, GenConfig(40),
                         on_step=lambda tree, path, bonus: trees.append(tree))
@@ -927,7 +932,7 @@ def test_eagle2_plus_lookup_drafts_one_round_after_a_full_match():
 
     def draft(prompt, root):   # -> (matched n, deepest node off the lookup chain)
         proposer = LookupEagleProposer(EagleProposer(target, head, DraftConfig(3, 3), 256),
-                                       PromptLookupProposer(6, 3, by_match=True))
+                                       PromptLookupProposer(6, 3))
         cache = target.new_cache(1, 64)
         _, hidden = target(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache)
         proposer.start(prompt, hidden[0])
@@ -947,16 +952,18 @@ def test_eagle2_plus_lookup_drafts_one_round_after_a_full_match():
 def test_size_rule_takes_the_best_priced_size_and_stops_unpaid_rounds():
     from proposers import SizeRule
     verify = [0.0, 16.0, 22.0, 22.5, 23.0, 24.0, 26.0, 28.0, 31.0, 34.0, 38.0, 42.0]   # [k] ms
-    rule = SizeRule(verify, rate=0.08, round_ms=2.0)
+    rule = SizeRule(len(verify) - 2, verify.__getitem__, rate=0.08, round_ms=2.0)
     for probs, riders in [([0.9, 0.8, 0.5, 0.2, 0.1], 0), ([0.3, 0.1, 0.05], 0),
                           ([0.45, 0.4, 0.3, 0.2], 0), ([0.9] * 12, 0), ([0.6, 0.5, 0.1], 4)]:
         p = torch.tensor(probs, dtype=torch.float64)
-        fits = min(len(probs), len(verify) - 2 - riders)
+        rule.most = len(verify) - 2 - riders          # as far as the curve goes
+        fits = min(len(probs), rule.most)
         brute = max(range(fits + 1),
                     key=lambda n: 1 + sum(probs[:n]) - 0.08 * verify[n + 1 + riders])
         assert rule.size(p, riders) == brute, (probs, riders)
+    rule.most = 10
     assert rule.size(torch.tensor([0.3, 0.1, 0.05]), 0) == 0         # unsure: the root alone
-    assert rule.size(torch.tensor([0.9] * 12), 0) == 10               # capped by the curve
+    assert rule.size(torch.tensor([0.9] * 12), 0) == 10               # capped at its most
     # a round adds at most the frontier's summed probability: worth 0.08 x 2 ms = 0.16 tokens
     assert rule.keep_growing(torch.tensor([0.1, 0.07]).log())
     assert not rule.keep_growing(torch.tensor([0.1, 0.05]).log())
@@ -977,7 +984,7 @@ def test_grow_tree_stops_when_told_and_per_step_sizes_stay_lossless():
     gen = GenConfig(max_new_tokens=40)
     for seed in range(3):
         target = tiny_model(seed)
-        rule = SizeRule([0.0] + [10.0 + k for k in range(1, 40)], rate=0.5, round_ms=1.0)
+        rule = SizeRule(20, lambda k: 10.0 + k, rate=0.5, round_ms=1.0)
         proposer = EagleProposer(target, random_eagle(target, seed), DraftConfig(3, 3, 20, rule),
                                  256)
         for prompt in ([1, 2, 3], [11, 5, 9, 30, 2, 8]):

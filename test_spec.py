@@ -128,7 +128,7 @@ def test_incremental_decoding_equals_full_forward(dtype):
 def test_forward_costs_time_the_sizes_in_turns():
     """A burst of load on a shared machine must slow one round of every size, not every repeat
     of one size: the sizes take turns, one forward each, after one prefill."""
-    from methods import forward_costs
+    from costs import forward_costs
     model, fed = tiny_model(), []
     forward = model.forward
     model.forward = lambda ids, *a, **k: (fed.append(ids.shape[1]), forward(ids, *a, **k))[1]
@@ -220,11 +220,11 @@ def test_head_folders_go_to_the_methods_of_their_kind(capsys):
 def test_a_head_given_as_draft_and_a_draft_given_as_head_are_named(tmp_path, capsys):
     # the two kinds of folder in weights/ are easy to swap; each must say what it holds, not
     # fail inside safetensors (a head as --draft asked the target for an lm_head it ties)
-    from methods import draft_folder
+    from methods import check_draft_folder
     from default_model import WEIGHTS
     from spec import main
     with pytest.raises(LoadError, match="holds eagle heads, not a draft model"):
-        draft_folder(f"{WEIGHTS}/smollm2-135m-eagle", str(tmp_path), str(tmp_path))
+        check_draft_folder(f"{WEIGHTS}/smollm2-135m-eagle")
     with pytest.raises(SystemExit) as e:
         main(["--method", "eagle2", "--head", f"{WEIGHTS}/smollm2-135m-draft"])
     assert e.value.code == 2
@@ -895,17 +895,17 @@ def test_llama3_tokenizer_model_and_chat_format(tmp_path):
 
 def test_prompt_lookup_finds_the_latest_match_and_is_lossless():
     from proposers import PromptLookupProposer
-    p = PromptLookupProposer(depth=3, max_ngram=2)
+    p = PromptLookupProposer(depth=6, max_ngram=2)
 
     def match(proposer, ctx):                    # -> (drafted tokens, matched n-gram length)
         tokens, n = proposer.match(torch.tensor(ctx))
         return tokens.tolist(), n
     #                0  1  2  3  4  5  6  7  8  9 10
-    assert match(p, [5, 6, 7, 8, 5, 6, 9, 1, 2, 5, 6]) == ([9, 1, 2], 2), "latest (5, 6): at 4"
+    assert match(p, [5, 6, 7, 8, 5, 6, 9, 1, 2, 5, 6]) == ([9, 1, 2, 5, 6], 2), "latest (5, 6): at 4"
     assert match(p, [1, 2, 3, 4]) == ([], 0), "no match, no draft"
-    assert match(p, [3, 1, 2, 3]) == ([1, 2, 3], 1), "falls back to n = 1"
-    # by_match: n matched tokens of max_ngram earn depth * n / max_ngram drafted tokens
-    scaled = PromptLookupProposer(depth=6, max_ngram=3, by_match=True)
+    assert match(p, [3, 1, 2, 3]) == ([1, 2, 3], 1), "falls back to n = 1 (3 of 6 tokens)"
+    # n matched tokens of max_ngram earn depth * n / max_ngram drafted tokens
+    scaled = PromptLookupProposer(depth=6, max_ngram=3)
     #                     0  1  2  3  4  5  6  7  8  9 10 11 12
     assert match(scaled, [4, 5, 6, 1, 2, 3, 4, 5, 7, 8, 9, 4, 5]) == ([7, 8, 9, 4], 2), \
         "(4, 5) matched at 6: 2 of 3, 4 tokens"
@@ -914,10 +914,10 @@ def test_prompt_lookup_finds_the_latest_match_and_is_lossless():
     assert match(scaled, [9, 1, 2, 3, 4, 5, 6, 7, 9]) == ([1, 2], 1), "(9) alone: 1 of 3, 2 tokens"
     target = tiny_model(6)
     prompt = [3, 4, 5, 6, 7, 8, 3, 4, 5, 6, 7, 8, 3, 4]
-    for temperature, by_match in ((0.0, False), (0.9, False), (0.0, True), (0.9, True)):
+    for temperature, depth in ((0.0, 4), (0.9, 4), (0.0, 6), (0.9, 6)):
         gen = GenConfig(max_new_tokens=40, temperature=temperature, seed=3)
         plain = generate_ar(target, prompt, gen).token_ids
-        proposer = PromptLookupProposer(6 if by_match else 4, by_match=by_match)
+        proposer = PromptLookupProposer(depth)
         spec = generate_spec(target, proposer, prompt, gen)
         context = proposer.context.tolist()       # what it searches: everything committed so far
         assert len(context) >= len(prompt) + len(spec.token_ids) - 1
@@ -1019,113 +1019,64 @@ def test_verify_curve_of_the_thin_shape(tmp_path, capsys):
     assert "1x512" in curve["ms"] and "8x64" in curve["ms"] and "vs 1 token" in captured.err
 
 
-def test_verify_costs_are_timed_once_per_machine_and_shape_on_a_quiet_machine(
-        tmp_path, monkeypatch, capsys):
-    """--tree-size auto's timings are a one-time measurement: taken with one line, kept per
-    machine and model shape, read back silently; a busy moment's timings serve one run and are
-    taken again next time; an unreadable file is measured anew."""
-    import methods
-    from quantize import compiled
-    runs, noisy = [], []
-
-    def forward_times(model, sizes, repeats):
-        runs.append(1)
-        return {k: [0.010, 0.011, 0.030 if noisy else 0.012] for k in sizes}
-    monkeypatch.setattr(methods, "forward_times", forward_times)
-    path = tmp_path / methods.COSTS_FILE
-    model = tiny_model()
-    first = methods.verify_costs(model, str(tmp_path))
-    err = capsys.readouterr().err
-    assert len(runs) == 1 and err.count("\n") == 1 and "once" in err and str(path) in err
-    assert methods.verify_costs(model, str(tmp_path)) == first and len(runs) == 1
-    assert capsys.readouterr().err == "", "kept timings are read back silently"
-    methods.verify_costs(tiny_model().float(), str(tmp_path))         # another dtype: its own
-    assert len(runs) == 2 and len(json.loads(path.read_text())) == 2
-    methods.verify_costs(compiled(model), str(tmp_path))            # compiled layers: their own
-    assert len(runs) == 3 and len(json.loads(path.read_text())) == 3
-    path.write_text("{not json")
-    noisy.append(True)
-    methods.verify_costs(model, str(tmp_path))
-    assert len(runs) == 6 and "busy" in capsys.readouterr().err
-    assert methods.read_costs(str(path)) == {}, "noisy timings were kept"
-    assert [p.name for p in tmp_path.iterdir()] == [methods.COSTS_FILE], "a temporary file left"
-    noisy.clear()
-    methods.verify_costs(model, str(tmp_path))
-    kept = methods.verify_costs(model, str(tmp_path))
-    assert len(runs) == 7 and sorted(kept) == sorted(methods.COST_SIZES)
-    monkeypatch.setattr(methods, "machine_name", lambda device: "another machine")
-    methods.verify_costs(model, str(tmp_path))
-    assert len(runs) == 8, "another machine's timings were used"
-    monkeypatch.setattr(methods, "source_digest", lambda objects: "other code")
-    methods.verify_costs(model, str(tmp_path))
-    assert len(runs) == 9, "timings of other code were used"
-    monkeypatch.setattr(methods, "source_digest", lambda objects: None)   # no source: not kept
-    methods.verify_costs(model, str(tmp_path))
-    methods.verify_costs(model, str(tmp_path))
-    assert len(runs) == 11
+def test_auto_prices_are_a_line_through_the_timed_sizes():
+    """--tree-size auto's verify price: before any timing a prior line of unit scale; through a
+    single timed size, the prior's slope; from two sizes on, the least-squares line through
+    each size's median (a negative slope from noise is taken as flat)."""
+    from costs import PRIOR_SLOPE, Prices
+    prices = Prices()
+    assert prices.line() == (1.0, PRIOR_SLOPE)
+    for ms in (30.0, 31.0, 90.0):                       # one outlier: the median holds
+        prices.add(prices.verify, 2, ms)
+    a, b = prices.line()
+    assert a + 2 * b == pytest.approx(31.0) and b == pytest.approx(PRIOR_SLOPE * a)
+    for ms in (50.0, 51.0, 49.0):
+        prices.add(prices.verify, 10, ms)
+    assert prices.line() == pytest.approx((26.25, 2.375))   # through (2, 31) and (10, 50)
+    assert prices.verify_ms(6) == pytest.approx(40.5)
+    flat = Prices()
+    for k, ms in ((1, 40.0), (8, 39.0)):
+        flat.add(flat.verify, k, ms)
+    assert flat.line()[1] == 0.0
+    assert Prices().draft_ms(3) == 0.0
+    for n, ms in ((4, 9.0), (4, 11.0), (6, 20.0)):
+        prices.add(prices.draft, n, ms)
+    assert prices.draft_ms(4) == 10.0 and prices.draft_ms(5) == 20.0, "else the size timed last"
 
 
-def test_draft_time_is_kept_per_head_and_tree_settings(tmp_path, monkeypatch, capsys):
-    """The head's drafting time, like the verify costs, is timed once with one line and read
-    back silently; another depth, method or head file is timed anew; a noisy time is not kept."""
-    import methods
-    runs, quiet = [], [True]
-
-    def measure(proposer, target, tokenizer):
-        runs.append(1)
-        return {0: 5.0}, quiet[0]
-    monkeypatch.setattr(methods, "measure_draft_time", measure)
-    model, head, cache = tiny_model(), tmp_path / "head", str(tmp_path / "cache")
-    head.mkdir()
-    (head / "model.safetensors").write_bytes(b"a head")
-    (head / "config.json").write_text("{}")
-    mc = methods.method_config("eagle2")
-    key = methods.draft_key(mc, model, str(head))
-    assert methods.draft_time(None, model, None, key, cache) == 5.0
-    err = capsys.readouterr().err
-    assert len(runs) == 1 and err.count("\n") == 1 and "drafting, once" in err
-    assert methods.draft_time(None, model, None, key, cache) == 5.0 and len(runs) == 1
-    assert capsys.readouterr().err == "", "a kept time is read back silently"
-    others = [methods.draft_key(methods.method_config("eagle2", depth=5), model, str(head)),
-              methods.draft_key(methods.method_config("eagle"), model, str(head))]
-    (head / "model.safetensors").write_bytes(b"a retrained head")
-    others.append(methods.draft_key(mc, model, str(head)))
-    (head / "config.json").write_text('{"accuracy": []}')
-    others.append(methods.draft_key(mc, model, str(head)))
-    assert len({key, *others}) == 5, "keys differ by depth, method and the head's files"
-    quiet[0] = False
-    capsys.readouterr()
-    methods.draft_time(None, model, None, others[0], cache)
-    err = capsys.readouterr().err
-    assert "busy" in err and "the head's drafting" in err and "taken again next run" in err
-    methods.draft_time(None, model, None, others[0], cache)
-    assert len(runs) == 3, "a noisy time was kept"
-    assert methods.draft_key(mc, model, str(tmp_path / "nowhere")) is None
-    quiet[0] = True                         # the file keeps the latest entries only
-    path = tmp_path / "cache" / methods.COSTS_FILE
-    path.write_text(json.dumps({f"old {i}": {"0": 1.0} for i in range(70)}))
-    methods.draft_time(None, model, None, key, cache)
-    kept = json.loads(path.read_text())
-    assert len(kept) == methods.COSTS_KEPT and key in kept and "old 69" in kept
-    assert "old 0" not in kept
-
-
-def test_verify_costs_are_taken_again_when_the_repeats_disagree(monkeypatch, capsys):
-    """A burst of load makes one repeat slow: the timings are measured again (up to three
-    times), and said in one line when they stay noisy; clean ones are taken once, silently."""
-    import methods
-    runs = []
-
-    def forward_times(model, sizes, repeats):           # a noisy round: one repeat 3x slow
-        runs.append(next(rounds))
-        return {k: [0.010, 0.011, 0.030 if runs[-1] else 0.012] for k in sizes}
-    monkeypatch.setattr(methods, "forward_times", forward_times)
-    for noisy, note in (([True, False], ""), ([False], ""),
-                        ([True, True, True], "note: the machine is busy")):
-        runs.clear()
-        rounds = iter(noisy)
-        costs = methods.verify_costs(tiny_model())
-        assert runs == noisy and sorted(costs) == sorted(methods.COST_SIZES)
-        err = capsys.readouterr().err
-        assert (note in err) if note else err == "", err
-        assert len(err.splitlines()) <= 1
+def test_auto_sizes_static_trees_from_what_the_steps_cost(monkeypatch):
+    """A Priced proposer times each proposal and the pass after it, chooses again every
+    RESIZE steps, times a second size once only one is timed, and its choice follows the
+    prices: cheap extra rows make bigger trees, costly ones smaller; tokens never change."""
+    import costs
+    from heads import best_paths
+    accuracy = [[0.7, 0.2, 0.1], [0.6, 0.2], [0.6, 0.1], [0.5, 0.1]]
+    sizer = costs.Sizer("eagle", accuracy, depth=4)
+    prices = costs.Prices()
+    first, _ = sizer.choose(prices)
+    prices.add(prices.verify, first + 1, 40.0)
+    second, _ = sizer.choose(prices)
+    assert second != first, "with one size timed, the next choice must time another"
+    chosen = {}
+    for slope in (0.1, 8.0):                            # ms per extra verified token
+        p = costs.Prices()
+        for k in (2, 9):
+            p.add(p.verify, k, 40.0 + slope * k)
+        p.add(p.draft, 4, 5.0)
+        chosen[slope] = sizer.choose(p)[0]
+    assert chosen[0.1] > chosen[8.0] >= 1, chosen
+    from proposers import DraftConfig, EagleProposer
+    from test_heads import random_eagle
+    from tree import static_tree
+    target = tiny_model(3)
+    head = random_eagle(target, 3)
+    inner = EagleProposer(target, head, DraftConfig(4), 256,
+                          static_tree(best_paths(accuracy, costs.AUTO_MAX)))
+    priced = costs.Priced(inner, costs.Sizer("eagle", accuracy, depth=4))
+    gen = GenConfig(max_new_tokens=40)
+    out = generate_spec(target, priced, [3, 1, 4, 1, 5], gen)
+    assert out.token_ids == generate_ar(target, [3, 1, 4, 1, 5], gen).token_ids
+    assert len(out.accepted) > 2 * costs.RESIZE
+    assert len(priced.prices.verify) >= 2, "a second size was timed"
+    assert sorted(priced.prices.verify) == sorted({n + 1 for n in out.drafted}), "passes by size"
+    assert inner.static.parents.shape[0] - 1 == priced.sizer.size

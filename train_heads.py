@@ -733,7 +733,7 @@ def export_command(args) -> None:
     check_export(args.head, args.out, args.format, args.force)       # before the target loads
     model_path = args.model or default_model_path(args.cache_dir)
     if args.format == "hf":
-        export_draft(args.head, model_path, args.out, cache_dir(args.cache_dir), args.force)
+        export_draft(args.head, model_path, args.out, args.force)
     else:
         export_head(args.head, load_model(model_path, torch.float32, "cpu"), args.out,
                     args.format, args.force)
