@@ -40,7 +40,8 @@ ASSIGNMENTS = [
     Assignment("tree-mask", "tree.py:ancestor_mask", 25,
                "A tree is verified in one forward: each node may see its ancestors and itself, "
                "nothing else. Build that (N, N) mask from the parent of each node.",
-               "Nodes come in depth order, so a node's row is its parent's row plus itself.",
+               "Walk every node's ancestor chain at once: one step per depth level (nodes need not "
+               "come in depth order: tree.path_first moves a path to the front).",
                ("test_spec.py::test_tree_mask_positions_and_paths_equal_brute_force",)),
     Assignment("greedy-accept", "verification.py:accept_tree", 40,
                "From the target's own choice after every node, find the longest root-to-leaf "
@@ -76,7 +77,7 @@ ASSIGNMENTS = [
                "likely to be accepted, the product of their accuracies, chosen greedily.",
                "A heap of candidates: taking a path offers its first child and its next sibling.",
                ("test_heads.py::test_best_paths_equal_brute_force",)),
-    Assignment("eagle-ttt", "train_heads.py:ttt_mask", 30,
+    Assignment("eagle-ttt", "training.py:ttt_mask", 30,
                "EAGLE-3's training-time test: an EAGLE head learns to draft several steps from "
                "its own predicted features. Build the attention mask of unrolled step j, so that "
                "each entry sees exactly what a tree node of that depth sees at inference.",

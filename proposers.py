@@ -355,7 +355,7 @@ class LookupEagleProposer:
     # After a chain that matched all lookup.max_ngram tokens the head drafts one round only:
     # such a chain's first token is accepted in 75-80% of MT-bench's steps, while the head's
     # nodes off it add ~0.4 tokens a step; one round still offers the root's alternatives for
-    # when the chain is wrong (measured with the earlier kernels: docs/TRAINING.md).
+    # when the chain is wrong (docs/TRAINING.md).
     FULL_MATCH_ROUNDS = 1
 
     def __init__(self, eagle: EagleProposer, lookup: PromptLookupProposer):

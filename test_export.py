@@ -12,6 +12,7 @@ from heads import EagleHead, HeadConfig, eagle_layer_config, load_head
 from model import KVCache, LlamaConfig, LoadError
 from test_spec import default_path, tiny_model  # noqa: F401 (default_path is a fixture)
 
+import features
 import train_heads
 
 transformers = pytest.importorskip("transformers")
@@ -185,7 +186,7 @@ def test_an_older_head_moves_to_eagles_layout_and_computes_about_the_same(tmp_pa
         old.fc.weight.zero_()             # the layer's input is fc's bias: a constant RMS
     tokens = torch.randint(0, c.vocab_size, (1, 30))
     _, hidden = target(tokens, torch.arange(30)[None], target.new_cache(1, 64))
-    seq = train_heads.Seq(tokens[0], hidden[0, :-1], 3)
+    seq = features.Seq(tokens[0], hidden[0, :-1], 3)
     config = HeadConfig("eagle", c.hidden_size, c.vocab_size, c.vocab_size, layer=old_layer,
                         input_norm=True)
     moved, moved_config = train_heads.to_eagle_layout(old, config, target.embed, [seq])
@@ -211,7 +212,7 @@ def test_the_shipped_head_moved_to_eagles_layout_drafts_the_same_in_the_eagle_au
         _, hidden = target(tokens, torch.arange(T)[None], target.new_cache(1, T + 8))
     feats, next_tokens = hidden[0, :-1], tokens[0, 1:]
     old, config = load_head(f"{WEIGHTS}/smollm2-135m-eagle", target, "eagle")
-    seq = train_heads.Seq(tokens[0], feats, T)
+    seq = features.Seq(tokens[0], feats, T)
     head, config = train_heads.to_eagle_layout(old.float(), config, target.embed, [seq])
     train_heads.save_head(head, config, str(tmp_path / "head"))
     export_head(str(tmp_path / "head"), target, str(tmp_path / "eagle"), "eagle")

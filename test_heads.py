@@ -8,6 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import features
+import training
+
 from heads import (EagleHead, HeadConfig, MedusaHeads, best_paths, eagle_layer_config,
                    load_head)
 from model import LoadError
@@ -212,7 +215,7 @@ def test_batched_greedy_equals_plain_greedy_per_prompt():
     import train_heads as th
     target = tiny_model(4)
     prompts = [[1, 2, 3], [7], [11, 5, 9, 30, 2, 8], [4, 4]]
-    for (tokens, hidden), p in zip(th.batched_greedy(target, prompts, 12, (0,)), prompts):
+    for (tokens, hidden), p in zip(features.batched_greedy(target, prompts, 12, (0,)), prompts):
         plain = generate_ar(target, p, GenConfig(12), (0,)).token_ids
         assert tokens == p + plain, f"prompt {p}"
         full = target(torch.tensor([tokens[:-1]]), torch.arange(len(tokens) - 1)[None],
@@ -231,22 +234,22 @@ def test_training_code_makes_its_tensors_on_the_targets_device(tmp_path):
     target = tiny_model(3).float().requires_grad_(False)
     prompts = [[1, 2, 3], [7], [11, 5, 9, 30, 2, 8], [4, 4]]
     rows = [(f"q{i} {'ab' * (i % 5)}", None) for i in range(12)]
-    th.extract_features(target, TinyTokenizer(), rows, str(tmp_path / "f"), 4, 8, 64)
-    seqs = th.load_features(str(tmp_path / "f"))[:4]
-    vocab, c = th.draft_vocabulary(seqs, 40, (0,)), target.config
+    features.extract_features(target, TinyTokenizer(), rows, str(tmp_path / "f"), 4, 8, 64)
+    seqs = features.load_features(str(tmp_path / "f"))[:4]
+    vocab, c = features.draft_vocabulary(seqs, 40, (0,)), target.config
     heads = {kind: build_head(HeadConfig(kind, c.hidden_size, c.vocab_size, len(vocab), 3,
                                          eagle_layer_config(c) if kind == "eagle" else {}), vocab)
              for kind in ("eagle", "medusa")}
     proj, draft = projection_rows(target, vocab), init_draft(target, 1)
 
     def everything():
-        answers = th.batched_greedy(target, prompts, 6, (0,))
-        forced = th.teacher_forced(target, [tokens for tokens, _ in answers])
-        b = th.make_batch(seqs).to("cpu")
-        losses = [th.eagle_loss(heads["eagle"], target.embed, proj, b, 3, 0.1)[0],
-                  th.medusa_loss(heads["medusa"], proj, b)[0], th.draft_loss(draft, seqs)[0]]
+        answers = features.batched_greedy(target, prompts, 6, (0,))
+        forced = features.teacher_forced(target, [tokens for tokens, _ in answers])
+        b = features.make_batch(seqs).to("cpu")
+        losses = [training.eagle_loss(heads["eagle"], target.embed, proj, b, 3, 0.1)[0],
+                  training.medusa_loss(heads["medusa"], proj, b)[0], training.draft_loss(draft, seqs)[0]]
         sum(losses).backward()
-        accuracy = [th.accuracy_table(target, h, kind, seqs, 3, 4) for kind, h in heads.items()]
+        accuracy = [training.accuracy_table(target, h, kind, seqs, 3, 4) for kind, h in heads.items()]
         return answers, forced, [float(x.detach()) for x in losses], accuracy
     plain = everything()
     with torch.device("meta"):
@@ -265,11 +268,11 @@ def test_tau_prompts_0_measures_nothing_rather_than_a_tau_of_0():
     vocab, c = torch.arange(20), target.config
     head = build_head(HeadConfig("eagle", c.hidden_size, c.vocab_size, 20, 3,
                                  eagle_layer_config(c)), vocab).double()
-    held = [th.Seq(torch.tensor([1, 2, 3, 4]), torch.zeros(3, c.hidden_size), 2)]
+    held = [features.Seq(torch.tensor([1, 2, 3, 4]), torch.zeros(3, c.hidden_size), 2)]
     args = SimpleNamespace(tau_prompts=0, method="eagle")
-    assert th.held_out_tau(args, target, head, None, held, TinyTokenizer()) == {}
+    assert training.held_out_tau(args, target, head, None, held, TinyTokenizer()) == {}
     args.tau_prompts = 1
-    assert set(th.held_out_tau(args, target, head, None, held, TinyTokenizer())) == \
+    assert set(training.held_out_tau(args, target, head, None, held, TinyTokenizer())) == \
         {"eagle2_d5_k4_16", "chain_5"}
 
 
@@ -279,32 +282,32 @@ def test_training_smoke_loss_falls_and_saved_head_decodes_the_same(tmp_path):
     torch.manual_seed(0)
     target = tiny_model(3).float().requires_grad_(False)
     rows = [(f"q{i} {'ab' * (i % 5)}", None) for i in range(40)]
-    th.extract_features(target, TinyTokenizer(), rows, str(tmp_path / "f"), 8, 24, 64)
-    seqs = th.load_features(str(tmp_path / "f"))
+    features.extract_features(target, TinyTokenizer(), rows, str(tmp_path / "f"), 8, 24, 64)
+    seqs = features.load_features(str(tmp_path / "f"))
     assert len(seqs) == 40 and all(len(s.hidden) == len(s.tokens) - 1 for s in seqs)
     for method in ("eagle", "medusa"):
-        vocab = th.draft_vocabulary(seqs, 40, (0,))
+        vocab = features.draft_vocabulary(seqs, 40, (0,))
         c = target.config
         config = HeadConfig(method, c.hidden_size, c.vocab_size, len(vocab), 3,
                             eagle_layer_config(c) if method == "eagle" else {})
         head = build_head(config, vocab)
         proj = projection_rows(target, vocab)
         def loss_of(h):
-            return ((lambda s: th.eagle_loss(h, target.embed, proj, th.make_batch(s), 3, 0.1))
-                    if method == "eagle" else (lambda s: th.medusa_loss(h, proj, th.make_batch(s))))
-        record = th.train(head, loss_of(head), seqs, th.TrainConfig(epochs=30, tokens_per_batch=256,
+            return ((lambda s: training.eagle_loss(h, target.embed, proj, features.make_batch(s), 3, 0.1))
+                    if method == "eagle" else (lambda s: training.medusa_loss(h, proj, features.make_batch(s))))
+        record = training.train(head, loss_of(head), seqs, training.TrainConfig(epochs=30, tokens_per_batch=256,
                                                                     lr=3e-3), str(tmp_path / method))
         first, last = record["losses"][:5], record["losses"][-5:]
         mean = lambda rows: sum(sum(r) / len(r) for r in rows) / len(rows)
         assert mean(last) < mean(first) - 0.4, f"{method}: loss {mean(first)} -> {mean(last)}"
-        config.accuracy = th.accuracy_table(target, head, method, seqs[:8], 3, 4)
+        config.accuracy = training.accuracy_table(target, head, method, seqs[:8], 3, 4)
         save_head(head, config, str(tmp_path / f"{method}_out"), {"steps": record["step"]})
 
         # --init: training goes on from the saved head, not from a fresh one
         again, _ = th.init_head(SimpleNamespace(init=str(tmp_path / f"{method}_out"),
                                                 method=method, taps=()), target, seqs)
         assert all(p.requires_grad for p in again.parameters())
-        more = th.train(again, loss_of(again), seqs[:8], th.TrainConfig(epochs=1, lr=1e-9,
+        more = training.train(again, loss_of(again), seqs[:8], training.TrainConfig(epochs=1, lr=1e-9,
                                                                         tokens_per_batch=256),
                         str(tmp_path / f"{method}_more"))
         assert mean(more["losses"][:1]) < mean(first) - 0.4, f"{method}: --init starts afresh"
@@ -329,10 +332,10 @@ def test_tapped_features_fuse_losslessly_and_a_head_gains_taps_unchanged(tmp_pat
     target = tiny_model(3)
     C, taps = target.config.hidden_size, (0, 1)
     rows = [(f"q{i} {'ab' * (i % 5)}", None) for i in range(24)]
-    th.extract_features(target, TinyTokenizer(), rows, str(tmp_path / "f"), 8, 16, 64)
-    th.add_taps(target, str(tmp_path / "f"), taps, 5)
-    th.add_taps(target, str(tmp_path / "f"), taps, 5)                 # done already: a no-op
-    seqs = th.load_features(str(tmp_path / "f"), taps)
+    features.extract_features(target, TinyTokenizer(), rows, str(tmp_path / "f"), 8, 16, 64)
+    features.add_taps(target, str(tmp_path / "f"), taps, 5)
+    features.add_taps(target, str(tmp_path / "f"), taps, 5)                 # done already: a no-op
+    seqs = features.load_features(str(tmp_path / "f"), taps)
     for s in seqs[:6]:
         full = target(s.tokens[None, :-1], torch.arange(len(s.tokens) - 1)[None],
                       target.new_cache(1, 128), taps=taps)[1][0]      # (n - 1, 3C)
@@ -341,7 +344,7 @@ def test_tapped_features_fuse_losslessly_and_a_head_gains_taps_unchanged(tmp_pat
         assert torch.allclose(target.norm(full[:, C:2 * C]), full[:, 2 * C:])
         assert torch.allclose(s.tapped.float(), full[:, :2 * C].to(torch.bfloat16).float())
     with pytest.raises(ValueError, match="no outputs of layers"):
-        th.load_features(str(tmp_path / "f"), (0, 2))
+        features.load_features(str(tmp_path / "f"), (0, 2))
 
     # a head grown with taps (train_heads --init --taps) drafts exactly what it drafted before
     old = random_eagle(target, 5)
@@ -374,11 +377,11 @@ def test_tapped_features_fuse_losslessly_and_a_head_gains_taps_unchanged(tmp_pat
     target32 = target.float()
     config = HeadConfig("eagle", C, target.config.vocab_size, 40,
                         layer=eagle_layer_config(target.config), taps=list(taps))
-    head = build_head(config, th.draft_vocabulary(seqs, 40, (0,)))
+    head = build_head(config, features.draft_vocabulary(seqs, 40, (0,)))
     proj = projection_rows(target32, head.vocab_ids)
-    record = th.train(head, lambda s: th.eagle_loss(head, target32.embed, proj, th.make_batch(s),
+    record = training.train(head, lambda s: training.eagle_loss(head, target32.embed, proj, features.make_batch(s),
                                                     2, 0.1),
-                      seqs, th.TrainConfig(epochs=20, tokens_per_batch=256, lr=3e-3),
+                      seqs, training.TrainConfig(epochs=20, tokens_per_batch=256, lr=3e-3),
                       str(tmp_path / "tapped"))
     first, last = record["losses"][:5], record["losses"][-5:]
     assert sum(map(sum, last)) < sum(map(sum, first)) - 0.8 * 2, (first, last)
@@ -526,9 +529,9 @@ def test_training_time_test_unroll_equals_drafting_at_inference():
     head = random_eagle(target, 2)
     tokens = torch.tensor([3, 17, 4, 40, 9, 21, 8, 33, 12, 5])
     hidden = target(tokens[None], torch.arange(10)[None], target.new_cache(1, 16))[1][0]
-    b = th.make_batch([th.Seq(tokens, hidden[:-1], 2)])
+    b = features.make_batch([features.Seq(tokens, hidden[:-1], 2)])
     b.feats = hidden[None, :-1].detach()                   # float64, not make_batch's float32
-    outs = th.eagle_unroll(head, target.embed, b, 4)
+    outs = training.eagle_unroll(head, target.embed, b, 4)
     for j in range(4):
         for i in range(j, 9):
             root = i - j
@@ -578,15 +581,15 @@ def test_training_data_reads_both_formats_and_names_bad_lines(tmp_path):
     f = tmp_path / "d.jsonl"
     f.write_text('{"prompt": "hi"}\n{"messages": [{"role": "user", "content": "q"}, '
                  '{"role": "assistant", "content": "a"}]}\n')
-    assert th.read_conversations(str(f)) == [("hi", None), ("q", "a")]
+    assert features.read_conversations(str(f)) == [("hi", None), ("q", "a")]
     f.write_text('{"prompt": "hi"}\n{"messages": [{"role": "user", "content": "q"}]}\n')
     with pytest.raises(ValueError, match=r"d.jsonl:2: expected 'prompt' or 'messages'"):
-        th.read_conversations(str(f))
+        features.read_conversations(str(f))
     f.write_text('{"prompt": "hi"}\n\n{broken\n')
     with pytest.raises(ValueError, match=r"d.jsonl:3: not JSON"):
-        th.read_conversations(str(f))
+        features.read_conversations(str(f))
     with pytest.raises(FileNotFoundError, match=r"JSONL file not found: .*missing.jsonl"):
-        th.read_conversations(str(tmp_path / "missing.jsonl"))
+        features.read_conversations(str(tmp_path / "missing.jsonl"))
 
 
 def test_training_flags_out_of_range_fail_before_any_loading(capsys):
@@ -609,7 +612,7 @@ def test_training_flags_out_of_range_fail_before_any_loading(capsys):
                      "--init", init])
         assert e.value.code == 2 and message in capsys.readouterr().err
     with pytest.raises(ValueError, match="no feature shards; run with --stage features first"):
-        th.load_features("/nonexistent")                    # not an OSError from os.listdir
+        features.load_features("/nonexistent")                    # not an OSError from os.listdir
 
 
 def test_draft_over_a_reduced_vocabulary_drafts_its_best_token_and_stays_lossless(tmp_path):
@@ -658,21 +661,21 @@ def test_sources_filter_lines_and_templates_rewrite_prompts(tmp_path):
         {"source": "nq", "messages": [{"role": "user", "content": "when?"},
                                       {"role": "assistant", "content": "1999"}]},
         {"prompt": "no source"}]) + "\n")
-    assert th.read_conversations(str(path), ("nq",)) == [("who wrote it?", None), ("when?", "1999")]
-    assert len(th.read_conversations(str(path))) == 4
+    assert features.read_conversations(str(path), ("nq",)) == [("who wrote it?", None), ("when?", "1999")]
+    assert len(features.read_conversations(str(path))) == 4
     with pytest.raises(ValueError, match="no training lines from sources qa"):
-        th.read_conversations(str(path), ("qa",))
+        features.read_conversations(str(path), ("qa",))
     rows = [(f"question {i}?", "an answer") for i in range(40)]
     templates = ["Explain: {prompt}", "{prompt} In detail."]
-    out = th.templated_prompts(rows, templates, seed=1)
+    out = features.templated_prompts(rows, templates, seed=1)
     assert all(a is None for _, a in out), "the target writes the answers"
     assert all(p in (f"Explain: question {i}?", f"question {i}? In detail.")
                for i, (p, _) in enumerate(out))
     assert {p.startswith("Explain") for p, _ in out} == {True, False}, "both templates drawn"
-    assert th.templated_prompts(rows, templates, seed=1) == out
-    assert th.templated_prompts(rows, templates, seed=2) != out
+    assert features.templated_prompts(rows, templates, seed=1) == out
+    assert features.templated_prompts(rows, templates, seed=2) != out
     with pytest.raises(ValueError, match="must contain {prompt}"):
-        th.templated_prompts(rows, ["Explain:"], seed=0)
+        features.templated_prompts(rows, ["Explain:"], seed=0)
 
 
 @pytest.mark.parametrize("kind", ["eagle2", "medusa"])
@@ -721,13 +724,13 @@ def test_distilled_draft_trains_and_saves_a_folder_transformers_loads(tmp_path):
         for p in target.layers.parameters():  # (embeddings stay as on disk: the draft shares them)
             p.mul_(4.0) if p.dim() == 2 else None
     rows = [(f"q{i} {'ab' * (i % 5)}", None) for i in range(40)]
-    th.extract_features(target, TinyTokenizer(), rows, str(tmp_path / "f"), 8, 24, 64)
-    seqs = th.load_features(str(tmp_path / "f"))
+    features.extract_features(target, TinyTokenizer(), rows, str(tmp_path / "f"), 8, 24, 64)
+    seqs = features.load_features(str(tmp_path / "f"))
     target = target.float()                  # what train_heads.py trains against
     draft = init_draft(target, 1)
     assert [n for n, p in draft.named_parameters() if p.requires_grad and "embed" in n] == []
-    record = th.train(draft, lambda s: th.draft_loss(draft, s), seqs,
-                      th.TrainConfig(epochs=20, tokens_per_batch=256, lr=3e-3), str(tmp_path / "ck"))
+    record = training.train(draft, lambda s: training.draft_loss(draft, s), seqs,
+                      training.TrainConfig(epochs=20, tokens_per_batch=256, lr=3e-3), str(tmp_path / "ck"))
     kl = [r[0] for r in record["losses"]]
     assert sum(kl[-5:]) / 5 < 0.7 * sum(kl[:5]) / 5, f"KL {kl[:5]} -> {kl[-5:]}"
 
@@ -836,9 +839,9 @@ def random_batch(seed: int) -> tuple:
     """Two random sequences (tokens, float64 features) and their training batch."""
     import train_heads as th
     g = torch.Generator().manual_seed(seed)
-    seqs = [th.Seq(torch.randint(1, 61, (n,), generator=g), torch.randn(n - 1, 32, generator=g,
+    seqs = [features.Seq(torch.randint(1, 61, (n,), generator=g), torch.randn(n - 1, 32, generator=g,
                    dtype=torch.float64), p) for n, p in ((9, 3), (7, 2))]
-    b = th.make_batch(seqs)
+    b = features.make_batch(seqs)
     b.feats, b.target = b.feats.double(), b.target.double()       # make_batch gives float32
     return seqs, b
 
@@ -850,7 +853,7 @@ def test_medusa_loss_equals_a_per_position_loop():
     heads = random_medusa(target, heads=2)
     seqs, b = random_batch(5)
     proj = projection_rows(target, heads.vocab_ids)
-    got = th.medusa_loss(heads, proj, b)[1]
+    got = training.medusa_loss(heads, proj, b)[1]
     for m in range(2):                   # head m at entry i: token i + 2 + m, from feature i + 1 + m
         terms = []
         for s in seqs:
@@ -868,8 +871,8 @@ def test_eagle_loss_at_the_first_step_equals_a_per_position_loop():
     head = random_eagle(target)
     _, b = random_batch(6)
     proj = projection_rows(target, head.vocab_ids)
-    got = th.eagle_loss(head, target.embed, proj, b, 2, 0.0)[1][0]
-    out = th.eagle_unroll(head, target.embed, b, 1)[0]                  # (B, L, C)
+    got = training.eagle_loss(head, target.embed, proj, b, 2, 0.0)[1][0]
+    out = training.eagle_unroll(head, target.embed, b, 1)[0]                  # (B, L, C)
     rows = b.loss_mask.nonzero().tolist()
     want = sum(-(out[r, i] @ proj.T).log_softmax(-1)[(b.target[r, i] @ proj.T).argmax()]
                for r, i in rows) / len(rows)
@@ -1052,18 +1055,18 @@ def test_a_checkpoint_restores_head_and_optimizer_without_pickle(tmp_path):
     model.register_buffer("vocab_ids", torch.arange(3))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     stepped(model, opt, x)
-    th.save_checkpoint(str(tmp_path), model, opt, {"step": 1, "losses": [[0.5]]})
+    training.save_checkpoint(str(tmp_path), model, opt, {"step": 1, "losses": [[0.5]]})
     again = torch.nn.Linear(6, 3)
     again.register_buffer("vocab_ids", torch.zeros(3, dtype=torch.long))
     again_opt = torch.optim.AdamW(again.parameters(), lr=0.7)
-    assert th.load_checkpoint(str(tmp_path), again, again_opt) == {"step": 1, "losses": [[0.5]]}
+    assert training.load_checkpoint(str(tmp_path), again, again_opt) == {"step": 1, "losses": [[0.5]]}
     stepped(model, opt, x), stepped(again, again_opt, x)    # the moments came back too
     for a, b in zip(model.state_dict().values(), again.state_dict().values()):
         assert torch.equal(a, b)
     assert os.listdir(tmp_path) == ["checkpoint.safetensors"]
     (tmp_path / "checkpoint.safetensors").write_bytes(b"cut")
     with pytest.raises(ValueError, match="checkpoint.safetensors: not a checkpoint of this run"):
-        th.load_checkpoint(str(tmp_path), again, again_opt)
+        training.load_checkpoint(str(tmp_path), again, again_opt)
 
 
 def test_no_source_file_unpickles():

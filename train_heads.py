@@ -24,575 +24,29 @@ import copy
 import hashlib
 import json
 import os
-import random
 import shutil
-import subprocess
 import sys
-import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, replace
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from torch import nn
-from tqdm import tqdm
 
-from attention import attention_mask, with_ones
-from bench import jsonl_rows
 from checkpoint import load_model, save_tensors, to_hf_names, write_json
-from decode import GenConfig, generate_spec
-from default_model import cache_dir, default_model_path
+from default_model import default_model_path
 from export import FORMATS, check_export, export_draft, export_head
-from heads import (EAGLE_ROPE_THETA, HeadConfig, best_paths, build_head, eagle_layer_config,
-                   load_head, projection_rows, read_head_config)
+from features import (add_taps, draft_vocabulary, extract_features, load_features, make_batch,
+                      read_conversations, templated_prompts)
+from heads import (EAGLE_ROPE_THETA, HeadConfig, build_head, eagle_layer_config, load_head,
+                   projection_rows, read_head_config)
 from methods import DRAFT_VOCAB, parse_flags
-from model import KVCache, Llama, LlamaConfig
-from proposers import DraftConfig, DraftModelProposer, EagleProposer, MedusaProposer
+from model import Llama, LlamaConfig
+from proposers import DraftModelProposer
 from tokenizer import load_tokenizer
-from tree import static_tree
+from training import (CHECKPOINT, UNROLL, TrainConfig, accuracy_table, draft_loss, eagle_loss,
+                      held_out_tau, measure_tau, medusa_loss, record_fields, train)
 
 
-SHARD_LINES = 256            # data lines per feature shard: the unit of resumption
-
-
-# ---------------------------------------------------------------- data
-
-def read_conversations(path: str, sources=()) -> list:
-    """JSONL -> [(user text, assistant text or None)]: `messages` pairs, or `prompt` alone (the
-    target then writes the answer itself). sources: keep only lines whose `source` is one of
-    them. A bad line names its number."""
-    rows = []
-    for number, row in jsonl_rows(path):
-        if sources and row.get("source") not in sources:
-            continue
-        try:
-            if "prompt" in row:
-                rows.append((str(row["prompt"]), None))
-                continue
-            turns = {m["role"]: m["content"] for m in row["messages"]}
-            rows.append((turns["user"], turns["assistant"]))
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"{path}:{number}: expected 'prompt' or 'messages' with a user "
-                             f"and an assistant turn ({e!r})") from None
-    if not rows:
-        raise ValueError(f"{path}: no training lines" + (f" from sources {', '.join(sources)}"
-                                                         if sources else ""))
-    return rows
-
-
-def templated_prompts(rows: list, templates: list, seed: int) -> list:
-    """Each prompt rewritten by one of the templates ("... {prompt} ..."), drawn at random; the
-    answers are dropped, for the target to write. Turns short questions into requests for
-    long answers, e.g. "Explain in detail: {prompt}"."""
-    for t in templates:
-        if "{prompt}" not in t:
-            raise ValueError(f"--template {t!r}: it must contain {{prompt}}")
-    rnd = random.Random(seed)
-    return [(rnd.choice(templates).replace("{prompt}", q), None) for q, _ in rows]
-
-
-# ---------------------------------------------------------------- the target writes and reads
-
-@torch.inference_mode()
-def teacher_forced(target: Llama, seqs: list, taps=()) -> list:
-    """Run full sequences (right-padded: causal attention never looks right) -> hidden (L_i, C),
-    or (L_i, (k + 1) C) with the k tapped layers' outputs first (Llama.forward's taps)."""
-    L, device = max(len(s) for s in seqs), target.embed.weight.device
-    ids = torch.tensor([s + [0] * (L - len(s)) for s in seqs], device=device)   # (B, L)
-    cache = target.new_cache(len(seqs), L)
-    _, hidden = target(ids, torch.arange(L, device=device)[None], cache, last_only=True,
-                       taps=taps)
-    return [hidden[b, :len(s)].to("cpu", copy=True) for b, s in enumerate(seqs)]  # own storage
-
-
-@torch.inference_mode()
-def batched_greedy(target: Llama, prompts: list, max_new: int, stop_ids) -> list:
-    """Greedy answers for a batch of prompts -> [(tokens, hidden (len(tokens) - 1, C))].
-
-    Prompts are left-padded; each row masks its padding and counts positions from its first real
-    token, so every row decodes exactly as it would alone. Rows that finished leave the batch."""
-    B, P = len(prompts), max(len(p) for p in prompts)
-    device = target.embed.weight.device
-    pad = torch.tensor([P - len(p) for p in prompts], device=device)       # (B,)
-    ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts], device=device)   # (B, P)
-    cache = target.new_cache(B, P + max_new)
-    valid = torch.arange(P + max_new, device=device)[None] >= pad[:, None]   # (B, S) real slots
-    causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
-    # padding sees itself only: a query row that sees nothing would give NaN, and 0 * NaN
-    # in a later attention product is still NaN
-    mask = (causal[None] & valid[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=device)
-    mask = mask[:, None]                                                   # (B, 1, P, P)
-    pos = (torch.arange(P, device=device)[None] - pad[:, None]).clamp(min=0)   # (B, P)
-    logits, hidden = target(ids, pos, cache, mask, last_only=True)
-    tokens = [list(p) for p in prompts]
-    feats = [[hidden[b, P - len(p):]] for b, p in enumerate(prompts)]
-    alive = list(range(B))                                                 # rows still writing
-    for step in range(max_new):
-        nxt = logits[:, -1].argmax(-1)                                     # (b,)
-        chosen = nxt.tolist()                          # the one host sync a step: stop or not
-        for b, t in zip(alive, chosen):
-            tokens[b].append(t)
-        keep = [i for i, t in enumerate(chosen) if t not in stop_ids]
-        if step == max_new - 1 or not keep:
-            break
-        if len(keep) < len(alive):                                         # drop finished rows
-            alive = [alive[i] for i in keep]
-            rows = torch.tensor(keep, device=device)
-            nxt, pad, valid = nxt[rows], pad[rows], valid[rows]
-            cache = KVCache(cache.k[:, rows], cache.v[:, rows], cache.length)
-        start = cache.length
-        mask = valid[:, None, None, :start + 1]                            # (b, 1, 1, start + 1)
-        pos = (start - pad)[:, None]                                       # (b, 1)
-        logits, hidden = target(nxt[:, None], pos, cache, mask)
-        for i, b in enumerate(alive):
-            feats[b].append(hidden[i])
-    return [(tokens[b], torch.cat(feats[b]).cpu()) for b in range(B)]
-
-
-def save_shard(path: str, tokens: list, hidden: list, prompt_lens: list) -> None:
-    """One shard: flat tokens and 16-bit hidden states with offsets; written atomically."""
-    lengths = torch.tensor([len(t) for t in tokens])
-    tensors = {"tokens": torch.tensor([t for s in tokens for t in s], dtype=torch.int32),
-               "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
-               "prompt_lens": torch.tensor(prompt_lens),
-               # hidden state of every token but each sequence's last (never fed to the target)
-               "hidden": torch.cat([h[:len(t) - 1] for t, h in zip(tokens, hidden)]).bfloat16()}
-    save_tensors(tensors, path)
-
-
-def extract_features(target: Llama, tokenizer, rows: list, out: str, batch: int,
-                     max_new: int, max_prompt: int) -> None:
-    """Write FEATURES/shard_*.safetensors; shards already there are kept (resumption)."""
-    os.makedirs(out, exist_ok=True)
-    shards = range(0, len(rows), SHARD_LINES)
-    todo = [s for s in shards if not os.path.exists(f"{out}/shard_{s // SHARD_LINES:05d}.safetensors")]
-    bar = tqdm(total=len(todo) * SHARD_LINES, desc="features", unit="conv", smoothing=0.05)
-    for s in todo:
-        tokens, hidden, prompt_lens = [], [], []
-        encoded = [(tokenizer.chat_prompt(u), a) for u, a in rows[s:s + SHARD_LINES]]
-        encoded = [(p, a) for p, a in encoded if len(p) <= max_prompt]
-        # similar lengths share a batch; prompt-only lines and full conversations never mix
-        encoded.sort(key=lambda pa: (pa[1] is not None, len(pa[0])))
-        batches = [encoded[i:i + batch] for i in range(0, len(encoded), batch)]
-        batches = [[x for x in part if (x[1] is None) == kind] for part in batches
-                   for kind in (True, False)]
-        for part in filter(None, batches):
-            if part[0][1] is None:
-                done = batched_greedy(target, [p for p, _ in part], max_new, tokenizer.stop_ids)
-            else:
-                seqs = [p + tokenizer.encode(a)[:max_new] + [tokenizer.stop_ids[0]] for p, a in part]
-                done = list(zip(seqs, teacher_forced(target, seqs)))
-            for (p, _), (t, h) in zip(part, done):
-                tokens.append(t), hidden.append(h), prompt_lens.append(len(p))
-            bar.update(len(part))
-            bar.set_postfix(tokens=sum(map(len, tokens)))
-        save_shard(f"{out}/shard_{s // SHARD_LINES:05d}.safetensors", tokens, hidden, prompt_lens)
-    bar.close()
-
-
-def taps_key(taps) -> str:
-    return "taps_" + "_".join(map(str, taps))
-
-
-def first_layers(target: Llama, layers: int) -> Llama:
-    """The target's first `layers` blocks plus its final norm and head, sharing its weights:
-    the tapped layers' outputs come from running only these (add_taps checks the range)."""
-    config = LlamaConfig(**{**target.config.__dict__, "num_layers": layers})
-    with torch.device("meta"):
-        part = Llama(config, init=False)
-    part.embed, part.norm, part.lm_head = target.embed, target.norm, target.lm_head
-    part.layers = torch.nn.ModuleList(target.layers[:layers])
-    part.rope = target.rope
-    return part.eval()
-
-
-def add_taps(target: Llama, folder: str, taps: tuple, batch: int) -> None:
-    """Add the outputs of target layers `taps` to every shard of `folder` that lacks them,
-    teacher-forced from the shard's own tokens (its answers stay the ones the target wrote).
-    Only the layers up to the last tap run. Shard by shard, atomically: resumable."""
-    if max(taps) >= target.config.num_layers:
-        raise ValueError(f"--taps {list(taps)}: the target has layers 0..{target.config.num_layers - 1}")
-    names = shard_names(folder)
-    part, key = first_layers(target, max(taps) + 1), taps_key(taps)
-    todo = [n for n in names if key not in shard_keys(os.path.join(folder, n))]
-    for name in tqdm(todo, desc=f"layers {', '.join(map(str, taps))}", unit="shard"):
-        t = load_file(os.path.join(folder, name))
-        off = t["offsets"].tolist()
-        seqs = [t["tokens"][off[i]:off[i + 1]].tolist() for i in range(len(off) - 1)]
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))     # little padding
-        tapped = [None] * len(seqs)
-        for i in range(0, len(order), batch):
-            rows = order[i:i + batch]
-            for r, h in zip(rows, teacher_forced(part, [seqs[r] for r in rows], taps)):
-                tapped[r] = h[:-1, :-target.config.hidden_size]          # (n - 1, k C)
-        t[key] = torch.cat(tapped).bfloat16()
-        save_tensors(t, os.path.join(folder, name))
-
-
-def shard_names(folder: str) -> list:
-    return sorted(f for f in os.listdir(folder) if f.startswith("shard_") and f.endswith(".safetensors"))
-
-
-def shard_keys(path: str) -> set:
-    with safe_open(path, "pt") as f:
-        return set(f.keys())
-
-
-# ---------------------------------------------------------------- training data from the shards
-
-@dataclass
-class Seq:
-    tokens: torch.Tensor     # (n,) long: prompt and answer
-    hidden: torch.Tensor     # (n - 1, C) 16-bit: the target's final feature of every token but the last
-    prompt_len: int
-    tapped: torch.Tensor | None = None   # (n - 1, k C) 16-bit: the outputs of k tapped layers
-
-    def features(self) -> torch.Tensor:
-        """(n - 1, C) or (n - 1, (k + 1) C): what the head's fuse_features reads."""
-        return self.hidden if self.tapped is None else torch.cat([self.tapped, self.hidden], -1)
-
-
-def load_features(folder: str, taps=()) -> list:
-    names = shard_names(folder) if os.path.isdir(folder) else []
-    if not names:
-        raise ValueError(f"{folder}: no feature shards; run with --stage features first")
-    seqs = []
-    for name in tqdm(names, desc="loading features", unit="shard"):
-        t = load_file(os.path.join(folder, name))
-        if taps and taps_key(taps) not in t:
-            raise ValueError(f"{folder}/{name}: no outputs of layers {list(taps)}; run "
-                             f"--stage features with the same --taps first")
-        tapped = t.get(taps_key(taps)) if taps else None
-        off, hoff = t["offsets"].tolist(), 0
-        for i, p in enumerate(t["prompt_lens"].tolist()):
-            n = off[i + 1] - off[i]
-            rows = slice(hoff, hoff + n - 1)
-            seqs.append(Seq(t["tokens"][off[i]:off[i + 1]].long(), t["hidden"][rows], p,
-                            None if tapped is None else tapped[rows]))
-            hoff += n - 1
-    return seqs
-
-
-def draft_vocabulary(seqs: list, size: int, always=()) -> torch.Tensor:
-    """(R,) sorted target ids: the `size` most frequent answer tokens (stop tokens always in)."""
-    counts = torch.zeros(int(max(int(s.tokens.max()) for s in seqs)) + 1)
-    for s in seqs:
-        counts += torch.bincount(s.tokens[s.prompt_len:], minlength=counts.shape[0])
-    counts[list(always)] = float("inf")
-    return counts.topk(min(size, int((counts > 0).sum()))).indices.sort().values
-
-
-@dataclass
-class Batch:
-    feats: torch.Tensor      # (B, L, C) target feature at entry i ((B, L, (k + 1) C) with taps)
-    next_tok: torch.Tensor   # (B, L) token i + 1, the token entry i reads
-    target: torch.Tensor     # (B, L, C) target feature at i + 1, what entry i predicts
-    loss_mask: torch.Tensor  # (B, L) bool: i + 1 has a feature and token i + 2 is an answer token
-
-    def to(self, device) -> "Batch":
-        return Batch(*(getattr(self, f.name).to(device) for f in fields(self)))
-
-
-def make_batch(seqs: list) -> Batch:
-    """Padded to the longest sequence, built where the shards were read (the CPU); a trainer
-    on another device moves it there (Batch.to)."""
-    L = max(len(s.hidden) for s in seqs)
-    C = seqs[0].hidden.shape[1]
-    W = C if seqs[0].tapped is None else C + seqs[0].tapped.shape[1]   # + the tapped layers
-    B, at = len(seqs), {"device": seqs[0].hidden.device}
-    b = Batch(torch.zeros(B, L, W, **at), torch.zeros(B, L, dtype=torch.long, **at),
-              torch.zeros(B, L, C, **at), torch.zeros(B, L, dtype=torch.bool, **at))
-    for r, s in enumerate(seqs):
-        n = len(s.hidden)
-        b.feats[r, :n] = s.features().float()
-        b.next_tok[r, :n] = s.tokens[1:]
-        b.target[r, :n - 1] = s.hidden[1:].float()
-        b.loss_mask[r, max(s.prompt_len - 2, 0):n - 1] = True
-    return b
-
-
-def batches(seqs: list, tokens_per_batch: int, generator) -> list:
-    """Similar lengths together (little padding), in a random order."""
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].hidden))
-    out, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * len(seqs[i].hidden) > tokens_per_batch:
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    out.append(cur)
-    return [out[i] for i in torch.randperm(len(out), generator=generator).tolist()]
-
-
-# ---------------------------------------------------------------- losses
-
-def teacher(target_feats, proj) -> torch.Tensor:
-    """(n, C) target features -> (n,) what the head learns there, for F.cross_entropy: the index
-    of the target's greedy token in the draft vocab.
-
-    The argmax, not the target's distribution: at temperature 0 a node is accepted when it is
-    the target's argmax, so a head trained on argmax labels estimates its own acceptance
-    probability (what EAGLE-2's tree and size rule read); the distribution measured no better
-    (docs/TRAINING.md)."""
-    return (target_feats @ proj.T).argmax(-1)                          # (n, R) -> (n,)
-
-
-def ttt_mask(L: int, j: int, device="cpu") -> torch.Tensor:
-    """(L, (j + 1) L) bool for unrolled step j (EAGLE-3's training-time test).
-
-    Entry i at step j drafts depth j + 1 from the root at i - j: it sees the true entries up to
-    i - j and, at each step m = 1..j, the entry of its own path at i - j + m (the one it extends),
-    exactly what a tree node sees in the head's cache at inference."""
-    i = torch.arange(L, device=device)[:, None]
-    s = torch.arange(L, device=device)[None, :]
-    parts = [s <= i - j] + [s == i - j + m for m in range(1, j + 1)]
-    return torch.cat(parts, dim=1)
-
-
-def eagle_unroll(head, embed, b: Batch, steps: int) -> list:
-    """The head's outputs (B, L, C) at each of `steps` unrolled drafting steps."""
-    B, L = b.feats.shape[:2]
-    embeds = embed(b.next_tok)                                         # (B, L, C)
-    pos = torch.arange(L, device=b.feats.device)[None].expand(B, L)
-    cache, feats, outs = head.new_cache(0, B), head.fuse_features(b.feats), []
-    for j in range(steps):
-        # fresh tensors every step (a list stands in for the cache's stacked layer): autograd
-        # keeps each step's keys for the backward pass, and a later step writing into the same
-        # tensor would invalidate them
-        cache = KVCache([widen(k, L) for k in cache.k], [widen(v, L, ones=True) for v in cache.v],
-                        j * L)
-        outs.append(head(feats, embeds, pos, cache, ttt_mask(L, j, pos.device)))  # (B, L, C)
-        feats = torch.cat([torch.zeros_like(feats[:, :1]), outs[-1][:, :-1]], dim=1)  # g_{i-1}
-    return outs
-
-
-def widen(x: torch.Tensor, L: int, ones: bool = False) -> torch.Tensor:
-    """One layer's (B, K, S, E) -> (B, K, S + L, E), the new slots zero; ones: values, whose
-    new slots get the column of ones a cache holds (attention.with_ones)."""
-    new = x.new_zeros(*x.shape[:2], L, x.shape[3] - ones)
-    return torch.cat([x, with_ones(new) if ones else new], dim=2)
-
-
-def eagle_loss(head, embed, proj, b: Batch, steps: int, feature_weight: float) -> tuple:
-    """Cross-entropy (+ smooth L1 on the feature) at every unrolled step; -> (loss, [ce])."""
-    teach = teacher(b.target[b.loss_mask], proj)                       # loss rows, row-major
-    col = b.loss_mask.nonzero()[:, 1]                                  # their positions
-    total, ces = 0.0, []
-    for j, out in enumerate(eagle_unroll(head, embed, b, steps)):
-        mask = b.loss_mask.clone()
-        mask[:, :j] = False                                            # no root before the start
-        out = out[mask]                                                # (n, C): loss rows only
-        ce = torch.nn.functional.cross_entropy((out @ proj.T).float(), teach[col >= j])
-        fl = torch.nn.functional.smooth_l1_loss(out.float(), b.target[mask])
-        total, ces = total + ce + feature_weight * fl, ces + [float(ce.detach())]
-    return total / steps, ces
-
-
-def medusa_loss(heads, proj, b: Batch) -> tuple:
-    """Head m on the feature at i predicts token i + 2 + m, the target's greedy token there."""
-    logits = heads.logits(b.feats, lambda f: f @ proj.T)               # (B, L, M, R)
-    total, ces = 0.0, []
-    for m in range(logits.shape[2]):
-        L = b.feats.shape[1] - m
-        mask = b.loss_mask[:, m:]                                      # token i + 2 + m is known
-        teach = teacher(b.target[:, m:][mask], proj)                   # from the feature at i + 1 + m
-        ce = torch.nn.functional.cross_entropy(logits[:, :L, m][mask].float(), teach)
-        total, ces = total + ce, ces + [float(ce.detach())]
-    return total / logits.shape[2], ces
-
-
-def draft_batch(seqs: list, device="cpu") -> tuple:
-    """-> tokens (B, L), the target's features there (B, L, C), loss mask (B, L): entry i reads
-    token i and predicts token i + 1, an answer token."""
-    L, at = max(len(s.hidden) for s in seqs), {"device": seqs[0].hidden.device}
-    tokens = torch.zeros(len(seqs), L, dtype=torch.long, **at)
-    feats = torch.zeros(len(seqs), L, seqs[0].hidden.shape[1], **at)
-    mask = torch.zeros(len(seqs), L, dtype=torch.bool, **at)
-    for r, s in enumerate(seqs):
-        n = len(s.hidden)
-        tokens[r, :n], feats[r, :n] = s.tokens[:n], s.hidden.float()
-        mask[r, s.prompt_len - 1:n] = True
-    return tokens.to(device), feats.to(device), mask.to(device)
-
-
-def draft_hidden(draft, tokens) -> torch.Tensor:
-    """Llama.forward for training: tokens (B, L) -> final features (B, L, C), causal. Each layer
-    gets fresh K/V buffers: in one shared cache tensor a later layer's write would bump the
-    version of what earlier layers saved for backward, and autograd refuses that."""
-    B, L = tokens.shape
-    c = draft.config
-    pos = torch.arange(L, device=tokens.device)[None].expand(B, L)
-    cos, sin = draft.rope(pos, torch.float32)
-    mask = attention_mask(0, L, None, L, tokens.device)                        # (L, L) causal
-    x = draft.embed(tokens)                                                    # (B, L, C)
-    for layer in draft.layers:
-        k = x.new_zeros(B, c.num_kv_heads, L, c.head_dim)
-        v = with_ones(torch.zeros_like(k))                                    # as a cache holds
-        x = layer(x, cos, sin, k, v, 0, mask)
-    return draft.norm(x)
-
-
-def draft_loss(draft, seqs: list) -> tuple:
-    """KL(target || draft) over the full vocabulary at every answer position; -> (loss, [kl,
-    top-1 agreement]). The target's distribution is its lm_head over the cached feature."""
-    tokens, feats, mask = draft_batch(seqs, draft.lm_head.weight.device)
-    hidden = draft_hidden(draft, tokens)                                       # (B, L, C)
-    W = draft.lm_head.weight                                                   # (V, C) frozen
-    log_q = (hidden[mask] @ W.T).float().log_softmax(-1)                       # (n, V)
-    with torch.no_grad():
-        log_p = (feats[mask] @ W.T).float().log_softmax(-1)                    # (n, V)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
-    agree = (log_q.argmax(-1) == log_p.argmax(-1)).float().mean()
-    return kl, [float(kl.detach()), float(agree)]
-
-
-# ---------------------------------------------------------------- the training loop
-
-@dataclass
-class TrainConfig:
-    epochs: float = 1.0            # passes over the training sequences
-    minutes: float = 0.0           # stop (and save) after this wall time; 0: no limit
-    lr: float = 1e-3
-    tokens_per_batch: int = 4096   # padded tokens per optimizer step
-    steps: int = 4                 # EAGLE: unrolled drafting steps (training-time test)
-    feature_weight: float = 0.1    # EAGLE: weight of the smooth-L1 feature loss
-    bf16: bool = True              # autocast matmuls to bfloat16 (about 2x faster on these CPUs)
-    seed: int = 0
-
-
-def train(head, loss_fn, seqs: list, tc: TrainConfig, out: str) -> dict:
-    """AdamW, linear warm-up and decay; resumes from the checkpoint in OUT; -> training record.
-
-    loss_fn(list of Seq) -> (loss, [numbers to log]); only parameters that require grad learn."""
-    g = torch.Generator().manual_seed(tc.seed)
-    device = next(head.parameters()).device
-    per_epoch = len(batches(seqs, tc.tokens_per_batch, g))
-    total = max(int(per_epoch * tc.epochs), 1)
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=tc.lr)
-    warm = min(100, total // 10 + 1)
-    state = {"step": 0, "seconds": 0.0, "losses": []}
-    os.makedirs(out, exist_ok=True)
-    if os.path.exists(os.path.join(out, "checkpoint.pt")):       # pickled, by older code
-        raise ValueError(f"{out}/checkpoint.pt: a checkpoint of an older version, which this one "
-                         "does not unpickle; delete it to train again from the start")
-    if os.path.exists(os.path.join(out, CHECKPOINT)):
-        state.update(load_checkpoint(out, head, opt))
-        print(f"resumed at step {state['step']} of {total}", file=sys.stderr)
-    t0, last_save = time.time() - state["seconds"], time.time()
-    bar = tqdm(total=total, initial=state["step"], desc="train", unit="step")
-    while state["step"] < total:
-        # linear warm-up, then linear decay to 5% over the steps or the time limit, whichever
-        # comes first: a CPU run cut short by --minutes still ends at a low learning rate
-        done = max(state["step"] / total, state["seconds"] / (tc.minutes * 60) if tc.minutes else 0)
-        for group in opt.param_groups:
-            group["lr"] = tc.lr * min((state["step"] + 1) / warm, max(0.05, 1 - done))
-        epoch, index = divmod(state["step"], per_epoch)
-        order = batches(seqs, tc.tokens_per_batch, torch.Generator().manual_seed(tc.seed + epoch))
-        with torch.autocast(device.type, torch.bfloat16, enabled=tc.bf16):
-            loss, ces = loss_fn([seqs[i] for i in order[index]])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step(), opt.zero_grad()
-        state["step"] += 1
-        state["seconds"] = time.time() - t0
-        state["losses"].append([round(c, 4) for c in ces])
-        bar.update(1)
-        bar.set_postfix(ce=" ".join(f"{c:.2f}" for c in ces))
-        over = tc.minutes and state["seconds"] > tc.minutes * 60
-        if over or state["step"] == total or time.time() - last_save > 300:
-            save_checkpoint(out, head, opt, state)
-            last_save = time.time()
-        if over:
-            print(f"time limit: stopped at step {state['step']} of {total}", file=sys.stderr)
-            break
-    bar.close()
-    return state | {"total_steps": total}
-
-
-CHECKPOINT = "checkpoint.safetensors"
-
-
-def save_checkpoint(out: str, head, opt, state: dict) -> None:
-    """The head's and the optimizer's tensors, and as JSON metadata the training state, in one
-    safetensors file written atomically: no pickle, so loading it cannot run code."""
-    sd = opt.state_dict()
-    tensors = {f"head.{k}": v.detach().cpu().clone() for k, v in head.state_dict().items()}
-    tensors |= {f"opt.{i}.{k}": v.detach().cpu().clone() for i, s in sd["state"].items()
-                for k, v in s.items()}
-    meta = {"state": json.dumps(state), "param_groups": json.dumps(sd["param_groups"])}
-    save_tensors(tensors, os.path.join(out, CHECKPOINT), meta)
-
-
-def load_checkpoint(out: str, head, opt) -> dict:
-    """Restores what save_checkpoint wrote into head and opt -> the training state."""
-    path = os.path.join(out, CHECKPOINT)
-    try:
-        with safe_open(path, "pt") as f:
-            meta = {k: json.loads(v) for k, v in f.metadata().items()}
-        tensors = load_file(path)
-        head.load_state_dict({k.removeprefix("head."): v for k, v in tensors.items()
-                              if k.startswith("head.")})
-        state = {}
-        for k, v in tensors.items():
-            if k.startswith("opt."):
-                _, i, name = k.split(".", 2)
-                state.setdefault(int(i), {})[name] = v
-        opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-    except (SafetensorError, KeyError, ValueError, RuntimeError) as e:
-        raise ValueError(f"{path}: not a checkpoint of this run ({e}); delete it to start "
-                         "again") from None
-    return meta["state"]
-
-
-# ---------------------------------------------------------------- measuring the result
-
-@torch.inference_mode()
-def measure_tau(target, proposer, seqs: list, max_new: int, stop_ids) -> float:
-    """Tokens per target forward of the real decoding loop on held-out prompts."""
-    new = forwards = 0
-    for s in tqdm(seqs, desc="tau", unit="prompt"):
-        r = generate_spec(target, proposer, s.tokens[:s.prompt_len].tolist(), GenConfig(max_new),
-                          stop_ids)
-        new, forwards = new + len(r.token_ids), forwards + r.target_forwards
-    return new / max(forwards, 1)
-
-
-@torch.no_grad()
-def accuracy_table(target, head, kind: str, seqs: list, depth: int, ranks: int = 10) -> list:
-    """[depth][rank]: how often the target's greedy token is the head's rank-r candidate at
-    that depth, the path so far being right (teacher-forced): what best_paths needs."""
-    proj = head_projection(target, head)                                   # (R, C)
-    hits, count = torch.zeros(depth, ranks, device=proj.device), 0
-    for i in range(0, len(seqs), 16):
-        b = make_batch(seqs[i:i + 16]).to(proj.device)
-        label = target.lm_head(b.target.to(target.lm_head.weight.dtype)).argmax(-1)   # (B, L)
-        if kind == "eagle":
-            outs = [o.float() @ proj.T for o in eagle_unroll(head, target.embed, b, depth)]
-        else:
-            logits = head.logits(b.feats.to(proj.dtype), lambda f: f @ proj.T)      # (B, L, M, R)
-            outs = [logits[:, :, m].float() for m in range(logits.shape[2])]
-        for d, logits in enumerate(outs[:depth]):
-            shift = d if kind == "medusa" else 0
-            L = b.feats.shape[1] - shift
-            mask = b.loss_mask[:, shift:].clone()
-            if kind == "eagle":
-                mask[:, :d] = False
-            logits = logits[:, :L]                                                # (B, L, R)
-            lab = label[:, shift:].contiguous()                                   # (B, L)
-            where = torch.searchsorted(head.vocab_ids, lab).clamp(max=len(head.vocab_ids) - 1)
-            inside = head.vocab_ids[where] == lab
-            mine = logits.gather(-1, where[..., None]).squeeze(-1)
-            rank = (logits > mine[..., None]).sum(-1)                             # (B, L)
-            ok = mask & inside
-            hits[d] += torch.bincount(rank[ok].clamp(max=ranks), minlength=ranks + 1)[:ranks]
-            if d == 0:
-                count += int(mask.sum())
-    # teacher-forced: each depth is measured with the path before it right, as best_paths assumes
-    return (hits / max(count, 1)).tolist()
-
-
-def head_projection(target, head) -> torch.Tensor:
-    return projection_rows(target, head.vocab_ids).float()
 
 
 # ---------------------------------------------------------------- command line
@@ -683,10 +137,6 @@ def optimizer_flags(p) -> None:
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     p.add_argument("--tokens-per-batch", type=int, default=d.tokens_per_batch,
                    help="padded tokens per optimizer step")
-    p.add_argument("--steps", type=int, default=d.steps,
-                   help="EAGLE: drafting steps unrolled in training (EAGLE-3's training-time test)")
-    p.add_argument("--feature-weight", type=float, default=d.feature_weight,
-                   help="EAGLE: weight of the feature regression loss")
     p.add_argument("--seed", type=int, default=d.seed, help="shuffling and initialization seed")
 
 
@@ -694,8 +144,8 @@ def check_ranges(p, args) -> None:
     """Out-of-range numbers are named before any loading, not after minutes of extraction
     (or silently: --epochs 0 used to run a step)."""
     positive = ("epochs", "lr", "batch", "max_new_tokens", "max_prompt_tokens", "draft_vocab",
-                "heads", "layers", "tokens_per_batch", "steps")
-    at_least_0 = ("minutes", "limit", "held_out", "tau_prompts", "feature_weight")
+                "heads", "layers", "tokens_per_batch")
+    at_least_0 = ("minutes", "limit", "held_out", "tau_prompts")
     for name in positive + at_least_0:
         value = getattr(args, name)
         if value < 0 or (value == 0 and name in positive):
@@ -818,21 +268,13 @@ def train_and_save(args, model_path: str, features: str, tokenizer) -> None:
     train_seqs, held = seqs[:-args.held_out], seqs[-args.held_out:]
     os.makedirs(args.out, exist_ok=True)
     tc = TrainConfig(epochs=args.epochs, minutes=args.minutes, lr=args.lr,
-                     tokens_per_batch=args.tokens_per_batch, steps=args.steps,
-                     feature_weight=args.feature_weight, seed=args.seed)
+                     tokens_per_batch=args.tokens_per_batch, seed=args.seed)
     run = train_draft if args.method == "draft" else train_head
     info = {"method": args.method, "data": os.path.abspath(args.data), "features": features,
             "train_sequences": len(train_seqs), "held_out_sequences": len(held),
             "train_tokens": sum(len(s.tokens) for s in train_seqs), "config": vars(args)}
     info |= run(args, tc, target, model_path, train_seqs, held, tokenizer, info)
     print(json.dumps({k: info[k] for k in ("steps", "wall_seconds", "final_ce", "held_out_tau")}))
-
-
-def record_fields(record: dict) -> dict:
-    return {"steps": record["step"], "total_steps": record["total_steps"],
-            "wall_seconds": round(record["seconds"]),
-            "final_ce": [round(sum(x) / len(x), 4) for x in zip(*record["losses"][-50:])],
-            "commit": git_commit()}
 
 
 def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) -> dict:
@@ -845,8 +287,7 @@ def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) 
                                 "training": read_json(os.path.join(args.init, "training.json"))}}
     if args.method == "eagle":
         def loss_fn(seqs):
-            return eagle_loss(head, target.embed, proj, make_batch(seqs).to(device), tc.steps,
-                              tc.feature_weight)
+            return eagle_loss(head, target.embed, proj, make_batch(seqs).to(device))
     else:
         def loss_fn(seqs):
             return medusa_loss(head, proj, make_batch(seqs).to(device))
@@ -854,7 +295,7 @@ def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) 
     if args.init and args.wise < 1:
         interpolate(head, init_head(args, target, train_seqs)[0], args.wise)
     head.eval()
-    depth = max(tc.steps, 6) if args.method == "eagle" else args.heads
+    depth = max(UNROLL, 6) if args.method == "eagle" else args.heads
     config.accuracy = [[round(a, 4) for a in row]
                        for row in accuracy_table(target, head, args.method, held, depth)]
     tau = held_out_tau(args, target, head, config, held, tokenizer)
@@ -1019,43 +460,12 @@ def train_draft(args, tc, target, model_path, train_seqs, held, tokenizer, info)
     return info
 
 
-def held_out_tau(args, target, head, config, held: list, tokenizer) -> dict:
-    """tau of the real decoding loop (float32 target) on the first held-out prompts; {} with
-    --tau-prompts 0 (nothing measured, rather than a tau of 0)."""
-    seqs = held[:args.tau_prompts]
-    if not seqs:
-        return {}
-    if args.method == "medusa":
-        proposer = MedusaProposer(target, head, static_tree(best_paths(config.accuracy, 16)))
-        return {"medusa_16": round(measure_tau(target, proposer, seqs, 64, tokenizer.stop_ids), 3)}
-    eagle2 = EagleProposer(target, head, DraftConfig(5, 4, 16), 512)
-    chain = EagleProposer(target, head, DraftConfig(5, 1), 512)
-    return {"eagle2_d5_k4_16": round(measure_tau(target, eagle2, seqs, 64, tokenizer.stop_ids), 3),
-            "chain_5": round(measure_tau(target, chain, seqs, 64, tokenizer.stop_ids), 3)}
-
-
 def read_json(path: str):
     """The file's JSON, or None where it is missing."""
     if not os.path.isfile(path):
         return None
     with open(path) as f:
         return json.load(f)
-
-
-def git_commit() -> str:
-    """HEAD's hash, with "-dirty" when tracked files differ from it (the code that ran is then
-    not exactly that commit's)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-
-    def run(*cmd):
-        done = subprocess.run(["git", *cmd], capture_output=True, text=True, cwd=here)
-        return done.stdout.strip()
-    try:
-        head = run("rev-parse", "HEAD")
-        return head + ("-dirty" if head and run("status", "--porcelain", "--untracked-files=no")
-                       else "")
-    except OSError:
-        return ""
 
 
 if __name__ == "__main__":
