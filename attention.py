@@ -34,21 +34,30 @@ def with_ones(values: torch.Tensor) -> torch.Tensor:
 
 
 def attention_mask(start: int, T: int, mask, width: int, device):
-    """(T, width) bool: which of the first `width` cache slots each of the T new tokens sees.
+    """(T, width) or (B, 1, T, width) bool: which of the first `width` cache slots each of the T
+    new tokens (written at slots start..start + T - 1) sees.
 
-    mask None: causal among the new tokens. mask (T, T): among the new tokens, each sees the whole
-    prefix [0, start) (the committed tokens are everyone's ancestors). mask (T, start + T) or
-    (B, 1, T, start + T): used as given (a draft that keeps a growing tree in its own cache; a
-    batch with padding). Slots from start + T up to width are seen by no one: attention reads
-    whole blocks of slots (SLOT_BLOCK), whatever stale keys they hold."""
+    mask None: causal, each new token seeing the prefix [0, start) and the new tokens up to
+    itself; else (T, start + T) or (B, T, start + T) bool as the caller built it (a tree's
+    ancestors with `with_prefix`, a draft's tree in its own cache, a batch with padding).
+    Slots from start + T up to width are seen by no one: attention reads whole blocks of slots
+    (SLOT_BLOCK), whatever stale keys they hold."""
     if mask is None:
-        mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+        mask = torch.ones(T, start + T, dtype=torch.bool, device=device).tril(start)
+    if tuple(mask.shape[-2:]) != (T, start + T) or mask.dim() > 3:
+        raise ValueError(f"a mask of shape {tuple(mask.shape)} for {T} new tokens after {start}: "
+                         f"expected ({T}, {start + T}) or (B, {T}, {start + T})")
     mask = mask.to(device)
-    if mask.shape[-1] != start + T:
-        prefix = torch.ones(T, start, dtype=torch.bool, device=device)
-        mask = torch.cat([prefix, mask], dim=1)                         # (T, start + T)
     unseen = mask.new_zeros(*mask.shape[:-1], width - start - T)
-    return torch.cat([mask, unseen], dim=-1)
+    mask = torch.cat([mask, unseen], dim=-1)
+    return mask if mask.dim() == 2 else mask[:, None]      # (B, 1, T, W): broadcast over heads
+
+
+def with_prefix(mask: torch.Tensor, start: int) -> torch.Tensor:
+    """(T, T) bool among new tokens -> (T, start + T): every new token also sees the committed
+    prefix [0, start) (its tokens are every tree node's ancestors)."""
+    prefix = torch.ones(mask.shape[0], start, dtype=torch.bool, device=mask.device)
+    return torch.cat([prefix, mask], dim=1)
 
 
 def attend_reference(q, keys, values, mask):

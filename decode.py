@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from attention import with_prefix
 from tree import ancestor_mask, positions, retrieve_indices
 from verification import accept_chain_sampled, accept_tree, next_tokens, target_probs, uniform
 
@@ -142,8 +143,8 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
         mask = ancestor_mask(tree.parents, tree.depths)                   # (N, N)
         start = cache.length
         pos = positions(tree.depths, start)                                # (N,)
-        logits, hidden = target(tree.tokens[None].to(device), pos[None].to(device), cache, mask,
-                                taps=taps)
+        logits, hidden = target(tree.tokens[None].to(device), pos[None].to(device), cache,
+                                with_prefix(mask.to(device), start), taps=taps)
         result.target_forwards += 1
         accepted, bonus = verify(logits[0], tree, mask, pos, q, gen, generator)
         cache.keep(start, accepted)                  # keep the accepted path's slots, in order

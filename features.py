@@ -87,9 +87,8 @@ def batched_greedy(target: Llama, prompts: list, max_new: int, stop_ids) -> list
     valid = torch.arange(P + max_new, device=device)[None] >= pad[:, None]   # (B, S) real slots
     causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
     # padding sees itself only: a query row that sees nothing would give NaN, and 0 * NaN
-    # in a later attention product is still NaN
+    # in a later attention product is still NaN; (B, P, P)
     mask = (causal[None] & valid[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=device)
-    mask = mask[:, None]                                                   # (B, 1, P, P)
     pos = (torch.arange(P, device=device)[None] - pad[:, None]).clamp(min=0)   # (B, P)
     logits, hidden = target(ids, pos, cache, mask, last_only=True)
     tokens = [list(p) for p in prompts]
@@ -109,7 +108,7 @@ def batched_greedy(target: Llama, prompts: list, max_new: int, stop_ids) -> list
             nxt, pad, valid = nxt[rows], pad[rows], valid[rows]
             cache = KVCache(cache.k[:, rows], cache.v[:, rows], cache.length)
         start = cache.length
-        mask = valid[:, None, None, :start + 1]                            # (b, 1, 1, start + 1)
+        mask = valid[:, None, :start + 1]                                  # (b, 1, start + 1)
         pos = (start - pad)[:, None]                                       # (b, 1)
         logits, hidden = target(nxt[:, None], pos, cache, mask)
         for i, b in enumerate(alive):

@@ -4,8 +4,9 @@ Dimensions: B batch, T new tokens, S cache slots, C hidden, H query heads, K key
 D head dim, V vocab, F intermediate (MLP) size.
 
 The KV cache is written by absolute slot. A forward pass appends T tokens that see the whole cached
-prefix plus an arbitrary (T, T) boolean mask among themselves; plain decoding passes the causal
-mask, tree verification passes the tree's ancestor mask. Afterwards `KVCache.keep` keeps a chosen
+prefix plus an arbitrary boolean mask among themselves (one (T, prefix + T) mask says which slots
+each sees); plain decoding is causal, tree verification passes the tree's ancestor mask after
+the prefix. Afterwards `KVCache.keep` keeps a chosen
 subset of the new slots (the accepted path) and moves the length: that is the whole rollback.
 Attention itself, exact whatever shares a call, is in attention.py.
 """
@@ -218,9 +219,10 @@ class Llama(nn.Module):
         """tokens, positions (B, T) long -> logits (B, T or 1, V), final hidden (B, T, C).
 
         The T tokens are written to cache slots [cache.length, cache.length + T) and the length
-        moves past them. `mask` (T, T) bool says which new tokens each new token sees (None:
-        causal), all of them seeing the whole prefix; or (T, length + T) says it for every slot.
-        Positions are absolute, so a tree node's position is prefix length + depth, not its slot.
+        moves past them. `mask` (T, length + T) bool, or (B, T, length + T) for a batch, says which
+        slots each new token sees (attention.attention_mask; a tree passes its ancestor mask
+        `with_prefix`); None: causal. Positions are absolute, so a tree node's position is
+        prefix length + depth, not its slot.
         taps: indices of layers whose outputs (the residual stream after them) come back too,
         before the final feature: hidden is then (B, T, (len(taps) + 1) C), the low and middle
         features EAGLE-3 fuses with the final one. project=False skips the vocabulary projection

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from attention import whole_groups
+from attention import whole_groups, with_prefix
 from checkpoint import config_from_hf, load_model, read_json, save_tensors
 from model import Block, Llama
 
@@ -251,8 +251,8 @@ def shallow_copy(module: nn.Module, stand_in=lambda m: None) -> nn.Module:
 
 class Padded(nn.Module):
     """A target whose tree passes run at one size, `size` nodes (`pad_inputs`), their outputs
-    cut back to the tree's: a compiled target then sees one shape. Calls without a tree mask
-    (a prefill, a plain step) pass through."""
+    cut back to the tree's: a compiled target then sees one shape. Calls without a mask (a
+    prefill, a plain step) pass through; a mask sees the whole prefix (a tree's, `with_prefix`)."""
 
     def __init__(self, model: Llama, size: int):
         super().__init__()
@@ -265,9 +265,10 @@ class Padded(nn.Module):
     def forward(self, tokens, positions, cache, mask=None, last_only=False, **options):
         if mask is None:
             return self.model(tokens, positions, cache, mask, last_only, **options)
-        n = tokens.shape[1]
-        tokens, positions, mask = pad_inputs(tokens[0], positions[0], mask, self.size)
-        logits, hidden = self.model(tokens[None], positions[None], cache, mask, **options)
+        n, start = tokens.shape[1], cache.length
+        tokens, positions, mask = pad_inputs(tokens[0], positions[0], mask[:, start:], self.size)
+        logits, hidden = self.model(tokens[None], positions[None], cache,
+                                    with_prefix(mask, start), **options)
         if logits is not None:                               # the real rows (the last: last_only)
             logits = logits[:, n - 1:n] if last_only else logits[:, :n]
         return logits, hidden[:, :n]                         # the pads' slots go with the rejected

@@ -14,7 +14,7 @@ from verification import sample_at, uniform
 from methods import HEAD_KIND, build_proposer, load_target, room
 from checkpoint import load_model
 from attention import (PREFILL_QUERIES, attend, attend_reference, round_up, tail_slots,
-                       with_ones)
+                       with_ones, with_prefix)
 from model import Llama, LlamaConfig, RMSNorm, Rope, apply_rope
 from quantize import Float32Linear, Int4Linear, Int8Linear, QuantizeError, as_float32, quantize
 from decode import GenConfig, generate_ar, generate_spec
@@ -187,7 +187,8 @@ def test_tree_pass_logits_equal_each_path_decoded_plainly_bit_for_bit():
     cache = model.new_cache(1, 128)
     model(prompt, torch.arange(P)[None], cache)
     mask = ancestor_mask(tree.parents, tree.depths)
-    logits, _ = model(tree.tokens[None], positions(tree.depths, P)[None], cache, mask)
+    logits, _ = model(tree.tokens[None], positions(tree.depths, P)[None], cache,
+                      with_prefix(mask, P))
     for node in range(12):
         cache = model.new_cache(1, 128)
         model(prompt, torch.arange(P)[None], cache)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import verification
+from attention import with_prefix
 from verification import accept_chain_sampled, accept_tree, sample
 from checkpoint import load_model
 from model import Llama, LlamaConfig, LoadError
@@ -143,7 +144,8 @@ def test_keeping_a_subset_of_slots_equals_appending_only_those():
     cache = model.new_cache(1, 64)
     model(torch.tensor([prefix]), torch.arange(3)[None], cache)
     # Append all five as siblings (each sees only the prefix and itself), then keep one of them.
-    model(torch.tensor([new]), torch.full((1, 5), 3), cache, mask=torch.eye(5, dtype=torch.bool))
+    model(torch.tensor([new]), torch.full((1, 5), 3), cache,
+          mask=with_prefix(torch.eye(5, dtype=torch.bool), 3))
     cache.keep(3, torch.tensor([3]))          # keep token 13, at position 3
     _, _, ref = run_full(model, prefix + [13])
     assert cache.length == 4
@@ -468,7 +470,8 @@ def test_tree_pass_logits_equal_each_path_run_alone():
     cache = model.new_cache(1, 64)
     model(torch.tensor([prefix]), torch.arange(4)[None], cache)
     mask = ancestor_mask(tree.parents, tree.depths)
-    logits, _ = model(tree.tokens[None], positions(tree.depths, 4)[None], cache, mask)
+    logits, _ = model(tree.tokens[None], positions(tree.depths, 4)[None], cache,
+                      with_prefix(mask, 4))
     for n in range(tree.size):
         path = mask[n].nonzero().squeeze(1).tolist()        # ancestors in index = depth order
         ref, _, _ = run_full(model, prefix + tree.tokens[path].tolist())
@@ -482,7 +485,7 @@ def test_compacted_cache_equals_plain_decoding_cache():
     cache = model.new_cache(1, 64)
     model(torch.tensor([prefix]), torch.arange(4)[None], cache)
     model(tree.tokens[None], positions(tree.depths, 4)[None], cache,
-          brute_force_ancestors(tree.parents.tolist()))  # (the mask is graded apart)
+          with_prefix(brute_force_ancestors(tree.parents.tolist()), 4))  # (graded apart)
     accepted = torch.tensor([0, 1, 3, 4])                  # the path 23 -> 42 -> 3 -> 11
     cache.keep(4, accepted)
     plain = prefix + tree.tokens[accepted].tolist()
@@ -956,13 +959,13 @@ def test_padding_a_tree_changes_no_real_nodes_logits():
         for tokens, p, seen in [(tree.tokens, pos, mask), pad_inputs(tree.tokens, pos, mask, 9)]:
             cache = run_full(target, list(range(1, 10)))[2]
             with torch.no_grad():
-                outs.append(target(tokens[None], p[None], cache, seen)[0][0, :n])
+                outs.append(target(tokens[None], p[None], cache, with_prefix(seen, 9))[0][0, :n])
         # (float64's matmul may round a row by another path at another row count: 1e-12)
         assert torch.allclose(outs[0], outs[1], rtol=0, atol=1e-12), f"a tree of {n} nodes"
         cache = run_full(target, list(range(1, 10)))[2]
         with torch.no_grad():                   # the wrapper: the tree's last row, not a pad's
-            last, hidden = Padded(target, 9)(tree.tokens[None], pos[None], cache, mask,
-                                             last_only=True)
+            last, hidden = Padded(target, 9)(tree.tokens[None], pos[None], cache,
+                                             with_prefix(mask, 9), last_only=True)
         assert last.shape[1] == 1 and hidden.shape[1] == n
         assert torch.allclose(last[0, 0], outs[0][-1], rtol=0, atol=1e-12)
 
