@@ -262,7 +262,7 @@ def build_head(mc: MethodConfig, target, slots: int, extra: int = 0) -> tuple:
     most = per_step_most(mc.depth, mc.top_k)
     if mc.method == "eagle2":
         # compiled, every pass is padded to one shape: verifying all it drafts costs no more
-        rule = SizeRule(most) if auto and not mc.compile else None
+        rule = SizeRule(most, accuracy) if auto and not mc.compile else None
         size = most if auto else mc.tree_size or mc.depth * mc.top_k      # 0: as --help says
         proposer = EagleProposer(target, head, DraftConfig(mc.depth, mc.top_k, size, rule), slots,
                                  proj=proj)

@@ -3,7 +3,7 @@
 Dimensions: N tree nodes, J drafted chain tokens, V vocab, P pending tokens, C features.
 Every proposer follows the `Proposer` protocol, which decode.generate_spec drives.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
@@ -43,14 +43,16 @@ class SizeRule:
     A drafted node's probability of being accepted is about exp(its cumulative log-probability)
     (measured, shipped head, MT-bench: nodes scored 0.3-0.4 were accepted 30% of the time,
     0.5-0.6 53%, 0.9-1.0 96%), so verifying the n best nodes is expected to yield
-    1 + p_1 + ... + p_n tokens. Each step takes the n that maximizes that minus the verify pass's price,
-    rate x verify_ms(n + 1 + riders): a millisecond is worth `rate` tokens, the rate the method
+    1 + p_1 + ... + p_n tokens. Each step takes the n that maximizes that minus the verify
+    pass's price, rate x verify_ms(n + 1 + riders): a millisecond is worth `rate` tokens, the rate the method
     reaches (maximizing gain minus rate x cost per step is what maximizes the long-run rate,
     Dinkelbach's rule). Confident steps verify big trees, unsure ones small ones, down to the
-    root alone (the cheap 1-token pass). Drafting stops early when the next round cannot pay
-    for itself: its nodes together are accepted with at most the frontier's summed probability
-    (a node's children share its own), which must beat rate x round_ms."""
+    root alone (the cheap 1-token pass). A round is drafted only when it pays for itself: its
+    nodes, predicted before it as each frontier node's probability times the head's measured
+    accuracy by rank at their depth, must raise that best gain minus price by more than
+    rate x round_ms."""
     most: int                # most drafted nodes a step verifies
+    accuracy: list = field(default_factory=list)  # [depth][rank] P(rank r right | parent right)
     verify_ms: Callable = lambda k: 0.0   # ms of a target forward over k tokens
     rate: float = 0.0        # tokens per ms
     round_ms: float = 0.0    # ms of one drafting round
@@ -58,13 +60,25 @@ class SizeRule:
     def size(self, probs: torch.Tensor, riders: int = 0) -> int:
         """probs (M,) the drafted nodes' acceptance estimates, best first -> how many to verify.
         riders: tokens verified beside the tree (a lookup chain)."""
+        return int(self.objective(probs, riders).argmax())
+
+    def objective(self, probs: torch.Tensor, riders: int = 0) -> torch.Tensor:
+        """(M,) estimates, best first -> (min(M, most) + 1,) expected tokens gained by verifying
+        the best n, less their verify pass's price, for n = 0, 1, ..."""
         M = min(probs.shape[0], self.most)
         gain = torch.cat([probs.new_zeros(1), probs[:M].cumsum(0)])      # (M + 1,)
         price = self.rate * torch.tensor([self.verify_ms(n + 1 + riders) for n in range(M + 1)])
-        return int((gain - price.to(gain.dtype)).argmax())
+        return gain - price.to(gain.dtype)
 
-    def keep_growing(self, frontier_logp: torch.Tensor) -> bool:
-        return float(frontier_logp.exp().sum()) >= self.rate * self.round_ms
+    def keep_growing(self, drafted_logp, frontier_logp, depth: int, riders: int = 0) -> bool:
+        """drafted_logp (M,) the scores of every node drafted so far, frontier_logp (F,) those
+        of the nodes the next round would expand, at `depth` -> whether that round pays."""
+        def best(logp):
+            return float(self.objective(logp.sort(descending=True).values.exp(), riders).max())
+        acc = torch.tensor(self.accuracy[min(depth, len(self.accuracy) - 1)])      # (k,)
+        children = (frontier_logp[:, None] + acc.clamp(min=1e-9).log()[None]).flatten()
+        return best(torch.cat([drafted_logp, children])) - best(drafted_logp) > \
+            self.rate * self.round_ms
 
 
 @dataclass
@@ -278,8 +292,10 @@ class EagleProposer:
             return self.static_tree(root), None
         rule = self.config.rule
         depth = self.config.depth if depth is None else min(depth, self.config.depth)
+        grows = rule and (lambda drafted, frontier, d: rule.keep_growing(drafted, frontier, d,
+                                                                          riders))
         tree = grow_tree(self.expand, root, depth, self.config.top_k, self.config.total,
-                         self.vocab_ids, rule and rule.keep_growing)
+                         self.vocab_ids, grows)
         if rule is not None:
             n = rule.size(tree.scores[1:].sort(descending=True).values.exp(), riders)
             tree = best_nodes(tree, n)

@@ -955,7 +955,7 @@ def test_eagle2_plus_lookup_drafts_one_round_after_a_full_match():
 def test_size_rule_takes_the_best_priced_size_and_stops_unpaid_rounds():
     from proposers import SizeRule
     verify = [0.0, 16.0, 22.0, 22.5, 23.0, 24.0, 26.0, 28.0, 31.0, 34.0, 38.0, 42.0]   # [k] ms
-    rule = SizeRule(len(verify) - 2, verify.__getitem__, rate=0.08, round_ms=2.0)
+    rule = SizeRule(len(verify) - 2, [[0.5]], verify.__getitem__, rate=0.08, round_ms=2.0)
     for probs, riders in [([0.9, 0.8, 0.5, 0.2, 0.1], 0), ([0.3, 0.1, 0.05], 0),
                           ([0.45, 0.4, 0.3, 0.2], 0), ([0.9] * 12, 0), ([0.6, 0.5, 0.1], 4)]:
         p = torch.tensor(probs, dtype=torch.float64)
@@ -967,9 +967,49 @@ def test_size_rule_takes_the_best_priced_size_and_stops_unpaid_rounds():
     rule.most = 10
     assert rule.size(torch.tensor([0.3, 0.1, 0.05]), 0) == 0         # unsure: the root alone
     assert rule.size(torch.tensor([0.9] * 12), 0) == 10               # capped at its most
-    # a round adds at most the frontier's summed probability: worth 0.08 x 2 ms = 0.16 tokens
-    assert rule.keep_growing(torch.tensor([0.1, 0.07]).log())
-    assert not rule.keep_growing(torch.tensor([0.1, 0.05]).log())
+    # a round pays when its predicted nodes (frontier x accuracy) raise the best objective by
+    # more than 0.08 x 2 ms = 0.16 tokens. Drafted 0.9, 0.9: best n = 2, 1.8 - 0.08 x 22.5 = 0.
+    # A child of 0.9 x 0.5 makes n = 3 worth 2.25 - 0.08 x 23 = 0.41: it pays; 0.9 x 0.1 gives
+    # 1.89 - 1.84 = 0.05: it does not
+    drafted, frontier = torch.tensor([0.9, 0.9]).log(), torch.tensor([0.9]).log()
+    rule.most, rule.accuracy = 10, [[0.5]]
+    assert rule.keep_growing(drafted, frontier, 1)
+    rule.accuracy = [[0.1]]
+    assert not rule.keep_growing(drafted, frontier, 1)
+
+
+def test_rounds_rule_drafts_the_round_count_a_brute_force_finds_best():
+    """EAGLE-2's rounds per step: with children whose probabilities the accuracy table predicts
+    exactly, stopping at the first round that does not pay gives the round count that
+    maximizes the best verify objective less the rounds' price (brute force over counts)."""
+    from proposers import SizeRule
+    from tree import grow_tree
+    accuracy = [[0.8, 0.15], [0.6, 0.2], [0.5, 0.2], [0.4, 0.2], [0.3, 0.2]]
+    V, top_k, depth = 8, 2, 5
+
+    def expand(frontier, tree):                   # children at depth d + 1: accuracy[d]
+        rounds.append(1)
+        d = int(tree.depths[frontier[0]])
+        p = torch.full((len(frontier), V), 1e-6, dtype=torch.float64)
+        p[:, 0], p[:, 1] = accuracy[d]
+        return p.log()
+    seen = set()
+    for slope, rate, round_ms in [(0.2, 0.08, 1.0), (1.0, 0.08, 1.0), (0.2, 0.08, 4.0),
+                                  (0.05, 0.2, 0.5), (3.0, 0.02, 2.0), (0.5, 0.05, 8.0)]:
+        rule = SizeRule(40, accuracy, lambda k: 20.0 + slope * k, rate, round_ms)
+        rounds = []
+        grow_tree(expand, 0, depth, top_k, 40, keep_growing=rule.keep_growing)
+        chosen = len(rounds)
+
+        def value(R):                              # R rounds drafted, whatever they give
+            rounds.clear()
+            tree = grow_tree(expand, 0, R, top_k, 40)
+            scores = tree.scores[1:].sort(descending=True).values.exp()
+            return float(rule.objective(scores).max()) - rate * round_ms * R
+        best = max(range(1, depth + 1), key=value)
+        assert chosen == best, (slope, rate, round_ms, chosen, [value(R) for R in range(1, 6)])
+        seen.add(chosen)
+    assert len(seen) >= 3, f"the cases must need different round counts: {seen}"
 
 
 def test_grow_tree_stops_when_told_and_per_step_sizes_stay_lossless():
@@ -980,14 +1020,14 @@ def test_grow_tree_stops_when_told_and_per_step_sizes_stay_lossless():
     def expand(frontier, tree):
         rounds.append(len(frontier))
         return torch.log_softmax(torch.arange(6.0).repeat(len(frontier), 1), -1)
-    tree = grow_tree(expand, 0, 4, 2, 20, keep_growing=lambda scores: len(rounds) < 2)
+    tree = grow_tree(expand, 0, 4, 2, 20, keep_growing=lambda *scores: len(rounds) < 2)
     assert len(rounds) == 2 and int(tree.depths.max()) == 2
 
     # random float64 heads: sizes vary step to step (root alone included), output stays plain greedy
     gen = GenConfig(max_new_tokens=40)
     for seed in range(3):
         target = tiny_model(seed)
-        rule = SizeRule(20, lambda k: 10.0 + k, rate=0.5, round_ms=1.0)
+        rule = SizeRule(20, [[0.5, 0.2, 0.1]] * 3, lambda k: 10.0 + k, rate=0.5, round_ms=1.0)
         proposer = EagleProposer(target, random_eagle(target, seed), DraftConfig(3, 3, 20, rule),
                                  256)
         for prompt in ([1, 2, 3], [11, 5, 9, 30, 2, 8]):

@@ -112,13 +112,14 @@ def grow_tree(expand, root: int, depth: int, top_k: int, total: int, vocab_ids=N
 
     expand(frontier (F,) node indices, tree so far) -> (F, V) log-probabilities of their children,
     or (F, R) over a reduced draft vocabulary whose target ids are vocab_ids (R,).
-    keep_growing(cumulative log-probabilities of the next frontier (F,)) -> bool, asked before
-    every round after the first: False stops drafting early (see proposers.SizeRule).
+    keep_growing(scores of all drafted nodes (M,), of the next frontier (F,), the frontier's
+    depth) -> bool, asked before every round after the first: False stops drafting early (see
+    proposers.SizeRule); scores are cumulative log-probabilities.
     Returns the kept Tree (parents before children)."""
     tree = Tree(torch.tensor([root]), torch.tensor([-1]), torch.tensor([0]), torch.zeros(1))
     frontier = torch.tensor([0])
     for step in range(depth):
-        if step and keep_growing is not None and not keep_growing(tree.scores[frontier]):
+        if step and keep_growing and not keep_growing(tree.scores[1:], tree.scores[frontier], step):
             break
         logp = expand(frontier, tree)                                  # (F, V)
         top_logp, top_tok = (t.cpu() for t in logp.float().topk(top_k, dim=-1))   # (F, k)
