@@ -81,6 +81,7 @@ class Priced:
             self.prices.add(self.prices.verify, self.k, 1000 * (t - self.since))
         if self.steps % RESIZE == 0:
             self.sizer.resize(self.proposer, self.prices)
+            t = time.perf_counter()               # choosing is not drafting
         tree, q = self.proposer.propose(root, gen, generator)
         self.since = time.perf_counter()
         self.prices.add(self.prices.draft, self.sizer.size, 1000 * (self.since - t))

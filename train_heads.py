@@ -415,7 +415,7 @@ def save_draft(draft, target_folder: str, out: str, info: dict | None = None,
                embeddings: bool = True, vocab_ids=None) -> None:
     """A standard HF Llama folder: config.json (the target's, fewer layers), model.safetensors
     (16-bit), the target's tokenizer files; written atomically. embeddings=False leaves the
-    embedding matrix out (the shipped copy: draft_folder rebuilds it from the target).
+    embedding matrix out (the shipped copy: load_model's embeddings_from takes the target's).
     vocab_ids (R,): the reduced vocabulary greedy drafts choose from, in draft_vocab.json (other
     tools ignore it)."""
     c = draft.config
