@@ -68,7 +68,7 @@ class Priced:
 
     def __init__(self, proposer, sizer):
         self.proposer, self.sizer, self.prices = proposer, sizer, Prices()
-        self.max_nodes, self.taps = proposer.max_nodes, proposer.taps
+        self.max_nodes = proposer.max_nodes
         self.steps, self.since, self.k = 0, None, 0
 
     def start(self, prompt_ids: list, hidden=None) -> None:

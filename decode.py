@@ -127,10 +127,9 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
     # plain decoding's last token comes from the context's last position: no more here either
     limit = min(gen.max_new_tokens, ctx - len(prompt_ids) + 1)
     result, t0 = Result(), time.perf_counter()
-    taps = proposer.taps                 # target layers an EAGLE-3 head reads beside the last
     logits, hidden = target(torch.tensor([prompt_ids], device=device),
                             torch.arange(len(prompt_ids), device=device)[None], cache,
-                            last_only=True, taps=taps)
+                            last_only=True)
     result.target_forwards = 1
     u = draws(gen, [len(prompt_ids)])                                 # the first new position
     root = int(next_tokens(logits[0, -1], gen.temperature, gen.top_p, u))
@@ -144,7 +143,7 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
         start = cache.length
         pos = positions(tree.depths, start)                                # (N,)
         logits, hidden = target(tree.tokens[None].to(device), pos[None].to(device), cache,
-                                with_prefix(mask.to(device), start), taps=taps)
+                                with_prefix(mask.to(device), start))
         result.target_forwards += 1
         accepted, bonus = verify(logits[0], tree, mask, pos, q, gen, generator)
         cache.keep(start, accepted)                  # keep the accepted path's slots, in order

@@ -38,9 +38,6 @@ def check_exportable(config: HeadConfig, folder: str) -> None:
     why = None
     if config.kind != "eagle":
         why = f"it holds {config.kind} heads; --format eagle exports EAGLE heads"
-    elif config.taps:
-        why = (f"it reads target layers {config.taps} (EAGLE-3's fused features); the EAGLE "
-               "format reads the final feature only")
     elif layer["num_layers"] != 1:
         why = f"it has {layer['num_layers']} decoder layers; the EAGLE format has one"
     elif config.input_norm:

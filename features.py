@@ -10,13 +10,12 @@ import random
 from dataclasses import dataclass, fields
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 from tqdm import tqdm
 
 from bench import jsonl_rows
 from checkpoint import save_tensors
-from model import KVCache, Llama, LlamaConfig
+from model import KVCache, Llama
 
 
 
@@ -62,14 +61,12 @@ def templated_prompts(rows: list, templates: list, seed: int) -> list:
 # ---------------------------------------------------------------- the target writes and reads
 
 @torch.inference_mode()
-def teacher_forced(target: Llama, seqs: list, taps=()) -> list:
-    """Run full sequences (right-padded: causal attention never looks right) -> hidden (L_i, C),
-    or (L_i, (k + 1) C) with the k tapped layers' outputs first (Llama.forward's taps)."""
+def teacher_forced(target: Llama, seqs: list) -> list:
+    """Run full sequences (right-padded: causal attention never looks right) -> hidden (L_i, C)."""
     L, device = max(len(s) for s in seqs), target.embed.weight.device
     ids = torch.tensor([s + [0] * (L - len(s)) for s in seqs], device=device)   # (B, L)
     cache = target.new_cache(len(seqs), L)
-    _, hidden = target(ids, torch.arange(L, device=device)[None], cache, last_only=True,
-                       taps=taps)
+    _, hidden = target(ids, torch.arange(L, device=device)[None], cache, last_only=True)
     return [hidden[b, :len(s)].to("cpu", copy=True) for b, s in enumerate(seqs)]  # own storage
 
 
@@ -157,52 +154,8 @@ def extract_features(target: Llama, tokenizer, rows: list, out: str, batch: int,
     bar.close()
 
 
-def taps_key(taps) -> str:
-    return "taps_" + "_".join(map(str, taps))
-
-
-def first_layers(target: Llama, layers: int) -> Llama:
-    """The target's first `layers` blocks plus its final norm and head, sharing its weights:
-    the tapped layers' outputs come from running only these (add_taps checks the range)."""
-    config = LlamaConfig(**{**target.config.__dict__, "num_layers": layers})
-    with torch.device("meta"):
-        part = Llama(config, init=False)
-    part.embed, part.norm, part.lm_head = target.embed, target.norm, target.lm_head
-    part.layers = torch.nn.ModuleList(target.layers[:layers])
-    part.rope = target.rope
-    return part.eval()
-
-
-def add_taps(target: Llama, folder: str, taps: tuple, batch: int) -> None:
-    """Add the outputs of target layers `taps` to every shard of `folder` that lacks them,
-    teacher-forced from the shard's own tokens (its answers stay the ones the target wrote).
-    Only the layers up to the last tap run. Shard by shard, atomically: resumable."""
-    if max(taps) >= target.config.num_layers:
-        raise ValueError(f"--taps {list(taps)}: the target has layers 0..{target.config.num_layers - 1}")
-    names = shard_names(folder)
-    part, key = first_layers(target, max(taps) + 1), taps_key(taps)
-    todo = [n for n in names if key not in shard_keys(os.path.join(folder, n))]
-    for name in tqdm(todo, desc=f"layers {', '.join(map(str, taps))}", unit="shard"):
-        t = load_file(os.path.join(folder, name))
-        off = t["offsets"].tolist()
-        seqs = [t["tokens"][off[i]:off[i + 1]].tolist() for i in range(len(off) - 1)]
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))     # little padding
-        tapped = [None] * len(seqs)
-        for i in range(0, len(order), batch):
-            rows = order[i:i + batch]
-            for r, h in zip(rows, teacher_forced(part, [seqs[r] for r in rows], taps)):
-                tapped[r] = h[:-1, :-target.config.hidden_size]          # (n - 1, k C)
-        t[key] = torch.cat(tapped).bfloat16()
-        save_tensors(t, os.path.join(folder, name))
-
-
 def shard_names(folder: str) -> list:
     return sorted(f for f in os.listdir(folder) if f.startswith("shard_") and f.endswith(".safetensors"))
-
-
-def shard_keys(path: str) -> set:
-    with safe_open(path, "pt") as f:
-        return set(f.keys())
 
 
 # ---------------------------------------------------------------- training data from the shards
@@ -212,30 +165,20 @@ class Seq:
     tokens: torch.Tensor     # (n,) long: prompt and answer
     hidden: torch.Tensor     # (n - 1, C) 16-bit: the target's final feature of every token but the last
     prompt_len: int
-    tapped: torch.Tensor | None = None   # (n - 1, k C) 16-bit: the outputs of k tapped layers
-
-    def features(self) -> torch.Tensor:
-        """(n - 1, C) or (n - 1, (k + 1) C): what the head's fuse_features reads."""
-        return self.hidden if self.tapped is None else torch.cat([self.tapped, self.hidden], -1)
 
 
-def load_features(folder: str, taps=()) -> list:
+def load_features(folder: str) -> list:
     names = shard_names(folder) if os.path.isdir(folder) else []
     if not names:
         raise ValueError(f"{folder}: no feature shards; run with --stage features first")
     seqs = []
     for name in tqdm(names, desc="loading features", unit="shard"):
         t = load_file(os.path.join(folder, name))
-        if taps and taps_key(taps) not in t:
-            raise ValueError(f"{folder}/{name}: no outputs of layers {list(taps)}; run "
-                             f"--stage features with the same --taps first")
-        tapped = t.get(taps_key(taps)) if taps else None
         off, hoff = t["offsets"].tolist(), 0
         for i, p in enumerate(t["prompt_lens"].tolist()):
             n = off[i + 1] - off[i]
             rows = slice(hoff, hoff + n - 1)
-            seqs.append(Seq(t["tokens"][off[i]:off[i + 1]].long(), t["hidden"][rows], p,
-                            None if tapped is None else tapped[rows]))
+            seqs.append(Seq(t["tokens"][off[i]:off[i + 1]].long(), t["hidden"][rows], p))
             hoff += n - 1
     return seqs
 
@@ -251,7 +194,7 @@ def draft_vocabulary(seqs: list, size: int, always=()) -> torch.Tensor:
 
 @dataclass
 class Batch:
-    feats: torch.Tensor      # (B, L, C) target feature at entry i ((B, L, (k + 1) C) with taps)
+    feats: torch.Tensor      # (B, L, C) target feature at entry i
     next_tok: torch.Tensor   # (B, L) token i + 1, the token entry i reads
     target: torch.Tensor     # (B, L, C) target feature at i + 1, what entry i predicts
     loss_mask: torch.Tensor  # (B, L) bool: i + 1 has a feature and token i + 2 is an answer token
@@ -265,13 +208,12 @@ def make_batch(seqs: list) -> Batch:
     on another device moves it there (Batch.to)."""
     L = max(len(s.hidden) for s in seqs)
     C = seqs[0].hidden.shape[1]
-    W = C if seqs[0].tapped is None else C + seqs[0].tapped.shape[1]   # + the tapped layers
     B, at = len(seqs), {"device": seqs[0].hidden.device}
-    b = Batch(torch.zeros(B, L, W, **at), torch.zeros(B, L, dtype=torch.long, **at),
+    b = Batch(torch.zeros(B, L, C, **at), torch.zeros(B, L, dtype=torch.long, **at),
               torch.zeros(B, L, C, **at), torch.zeros(B, L, dtype=torch.bool, **at))
     for r, s in enumerate(seqs):
         n = len(s.hidden)
-        b.feats[r, :n] = s.features().float()
+        b.feats[r, :n] = s.hidden.float()
         b.next_tok[r, :n] = s.tokens[1:]
         b.target[r, :n - 1] = s.hidden[1:].float()
         b.loss_mask[r, max(s.prompt_len - 2, 0):n - 1] = True

@@ -31,7 +31,6 @@ class HeadConfig:
     num_heads: int = 4           # Medusa: M heads, head i predicts i + 2 tokens ahead
     layer: dict = field(default_factory=dict)     # EAGLE: LlamaConfig fields of its decoder layer
     accuracy: list = field(default_factory=list)  # [depth][rank] measured P(correct | path so far)
-    taps: list = field(default_factory=list)      # EAGLE: target layers fused with the final one
     input_norm: bool = False     # EAGLE: an RMS norm before the layer's attention (heads of
                                  # older versions, the shipped one too; EAGLE's layout has none)
 
@@ -40,49 +39,25 @@ class HeadConfig:
             raise LoadError(f"{folder}: head trained for hidden size {self.hidden_size} and vocab "
                             f"{self.vocab_size}, but the target has {target.hidden_size} and "
                             f"{target.vocab_size}; train a head for this target")
-        if any(not 0 <= t < target.num_layers for t in self.taps):
-            raise LoadError(f"{folder}: head taps layers {self.taps}, but the target has "
-                            f"{target.num_layers} layers")
 
 
 class EagleHead(nn.Module):
     """EAGLE (Li et al. 2024, arXiv 2401.15077): fc over [embedding of the next token; feature],
     one Llama decoder layer with its own KV cache, output = predicted next feature.
 
-    With taps (EAGLE-3, Li et al. 2025, arXiv 2503.01840), the feature of a committed token is
-    fused from the outputs of the target layers `taps` and its final feature: fuse(kC + C -> C),
-    started as a pass-through of the final feature, so a trained head gains taps unchanged.
-
     The layout is the EAGLE authors' (eagle/model/cnets.py): fc with a bias, no RMS norm before
     the layer's attention, the predicted feature projected by the target's lm_head as it is;
     so a head exports to their format (export.py). input_norm=True is this project's older
     layout, which the shipped head still has."""
 
-    def __init__(self, layer: LlamaConfig, vocab_ids: torch.Tensor, taps=(),
-                 input_norm: bool = False):
+    def __init__(self, layer: LlamaConfig, vocab_ids: torch.Tensor, input_norm: bool = False):
         super().__init__()
         C = layer.hidden_size
-        self.layer_config, self.taps = layer, tuple(sorted(taps))   # Llama.forward's order
+        self.layer_config = layer
         self.fc = nn.Linear(2 * C, C)
         self.layers = nn.ModuleList([Block(layer, input_norm)])   # "layers.0.", as in Llama
-        if self.taps:
-            self.fuse = nn.Linear((len(self.taps) + 1) * C, C, bias=False)
-            with torch.no_grad():                                       # [0 ... 0 | I]
-                self.fuse.weight.zero_()[:, -C:] = torch.eye(C)
         self.register_buffer("vocab_ids", vocab_ids.long())              # (R,)
         self.rope = Rope(layer)
-
-    def fuse_features(self, feats):
-        """(..., (k + 1) C) the target's tapped and final features -> (..., C); without taps the
-        (..., C) final feature passes as it is."""
-        if not self.taps:
-            return feats
-        C = self.layer_config.hidden_size
-        tapped = feats[..., :-C].unflatten(-1, (len(self.taps), C))     # (..., k, C)
-        # a parameter-free RMS norm: the residual stream's scale grows from layer to layer
-        scale = torch.rsqrt(tapped.float().pow(2).mean(-1, keepdim=True) + 1e-6)
-        tapped = (tapped.float() * scale).to(feats.dtype)
-        return self.fuse(torch.cat([tapped.flatten(-2), feats[..., -C:]], dim=-1))
 
     def forward(self, feats, embeds, positions, cache: KVCache, mask=None):
         """feats, embeds (B, T, C), positions (B, T) -> predicted next features (B, T, C).
@@ -143,7 +118,7 @@ def projection(target, vocab_ids: torch.Tensor) -> nn.Linear:
 
 def build_head(config: HeadConfig, vocab_ids: torch.Tensor) -> nn.Module:
     if config.kind == "eagle":
-        return EagleHead(LlamaConfig(**config.layer), vocab_ids, config.taps, config.input_norm)
+        return EagleHead(LlamaConfig(**config.layer), vocab_ids, config.input_norm)
     return MedusaHeads(config.hidden_size, config.num_heads, vocab_ids)
 
 
@@ -177,6 +152,12 @@ def read_head_config(folder: str) -> HeadConfig:
             if config.pop("own_projection", False):
                 raise LoadError(f"{folder}/config.json: Medusa heads with projections of their "
                                 "own are not supported; train heads that share the target's")
+            # older versions wrote "taps": [] into every head; a non-empty one needs the fused
+            # features of --taps, deleted (measured, did not pay: docs/TRAINING.md)
+            taps = config.pop("taps", [])
+            if taps:
+                raise LoadError(f"{folder}/config.json: the head reads target layers {taps}; "
+                                "this version reads no fused (EAGLE-3) features")
             return HeadConfig(**config)
         except (json.JSONDecodeError, TypeError) as e:
             raise LoadError(f"{folder}/config.json: not a head config ({e})") from None

@@ -214,7 +214,7 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.rope = Rope(config)
 
-    def forward(self, tokens, positions, cache: KVCache, mask=None, last_only=False, taps=(),
+    def forward(self, tokens, positions, cache: KVCache, mask=None, last_only=False,
                 project=True):
         """tokens, positions (B, T) long -> logits (B, T or 1, V), final hidden (B, T, C).
 
@@ -222,10 +222,7 @@ class Llama(nn.Module):
         moves past them. `mask` (T, length + T) bool, or (B, T, length + T) for a batch, says which
         slots each new token sees (attention.attention_mask; a tree passes its ancestor mask
         `with_prefix`); None: causal. Positions are absolute, so a tree node's position is
-        prefix length + depth, not its slot.
-        taps: indices of layers whose outputs (the residual stream after them) come back too,
-        before the final feature: hidden is then (B, T, (len(taps) + 1) C), the low and middle
-        features EAGLE-3 fuses with the final one. project=False skips the vocabulary projection
+        prefix length + depth, not its slot. project=False skips the vocabulary projection
         (logits None), for a caller that projects onto a reduced vocabulary itself."""
         B, T = tokens.shape
         start = cache.length
@@ -235,16 +232,13 @@ class Llama(nn.Module):
         tail = tail_slots(seen) if seen.dim() == 2 else None            # once for all layers
         x = self.embed(tokens)                                          # (B, T, C)
         cos, sin = self.rope(positions.expand(B, T), x.dtype)
-        tapped = []
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.k[i], cache.v[i], start, seen, tail)
-            if i in taps:
-                tapped.append(x)
         hidden = self.norm(x)
         logits = (self.lm_head(hidden[:, -1:] if last_only else hidden)  # (B, T or 1, V)
                   if project else None)
         cache.length = start + T
-        return logits, torch.cat(tapped + [hidden], dim=-1) if taps else hidden
+        return logits, hidden
 
     def new_cache(self, batch: int = 1, slots: int | None = None) -> KVCache:
         w = self.embed.weight

@@ -18,11 +18,9 @@ class Proposer(Protocol):
     """What decode.generate_spec needs of a way of drafting."""
     max_nodes: int       # most tree nodes one proposal verifies, root included (cache room;
                          # also bounds how far past the root it looks: no deeper than this)
-    taps: tuple          # target layers whose outputs it reads beside the final feature
 
     def start(self, prompt_ids: list, hidden: torch.Tensor | None) -> None:
-        """Before the first step; hidden (P, C): the target's final features of the prompt;
-        (P, (len(taps) + 1) C) with taps: the tapped layers' outputs before the final feature."""
+        """Before the first step; hidden (P, C): the target's final features of the prompt."""
 
     def propose(self, root: int, gen, generator) -> tuple:
         """gen: the decode.GenConfig (temperature, top-p); generator: the torch.Generator of
@@ -32,7 +30,7 @@ class Proposer(Protocol):
 
     def commit(self, tree: Tree, accepted: torch.Tensor, hidden: torch.Tensor | None) -> None:
         """After verification: accepted node indices (root first); hidden (N, C) the target's
-        features of all tree nodes ((N, (len(taps) + 1) C) with taps, as in start)."""
+        features of all tree nodes."""
 
 
 @dataclass
@@ -136,7 +134,6 @@ class DraftModelProposer:
         self.model, self.depth, self.slots = model, depth, slots
         self.device = model.embed.weight.device
         self.max_nodes = depth + 1                   # verified nodes per step, root included
-        self.taps = ()                               # reads no target features
         self.vocab_ids = None if vocab_ids is None else vocab_ids.cpu()
         self.proj = None
         if vocab_ids is not None:
@@ -198,7 +195,6 @@ class PromptLookupProposer:
             raise ValueError(f"prompt lookup needs depth >= 1 and n >= 1, got {depth}, {max_ngram}")
         self.depth, self.max_ngram = depth, max_ngram
         self.max_nodes = depth + 1
-        self.taps = ()
         self.context = torch.zeros(0, dtype=torch.long)   # the committed tokens
 
     def start(self, prompt_ids: list, hidden=None) -> None:
@@ -253,7 +249,6 @@ class EagleProposer:
         # EAGLE-2 feeds `depth` rounds before it keeps `total` nodes: room for the deeper
         self.max_nodes = (static.parents.shape[0] if static is not None else
                           max(config.total, config.depth) + 1)
-        self.taps = head.taps                   # target layers whose outputs the head reads
         self.cache = None                       # made by start: the head's own KV cache
         self.pending_feats, self.pending_tokens = None, []   # accepted, not yet fed to the head
         self.root_slot = 0
@@ -279,8 +274,7 @@ class EagleProposer:
         are sized for (None: config.depth)."""
         start, P = self.cache.length, self.pending_feats.shape[0]
         tokens = torch.tensor(self.pending_tokens + [root])                  # (P,)
-        feats = self.head.fuse_features(self.pending_feats)                 # (P, C)
-        out = self.feed(feats, tokens, torch.arange(start, start + P))
+        out = self.feed(self.pending_feats, tokens, torch.arange(start, start + P))   # (P, C)
         # the last entry fed: (feature before the root, root); its output predicts the root's
         self.root_slot = self.cache.length - 1
         n = self.config.grown_nodes if self.static is None else self.static.parents.shape[0]
@@ -343,7 +337,6 @@ class MedusaProposer:
         self.proj = proj if proj is not None else projection(target, head.vocab_ids)
         self.vocab_ids = head.vocab_ids.cpu()
         self.max_nodes = static.parents.shape[0]
-        self.taps = ()                                # the final feature only
         if int(static.depths.max()) > len(head.blocks):
             raise ValueError(f"tree depth {int(static.depths.max())} > {len(head.blocks)} heads")
         self.feature = None                           # (C,) the last accepted token's feature
@@ -377,7 +370,6 @@ class LookupEagleProposer:
     def __init__(self, eagle: EagleProposer, lookup: PromptLookupProposer):
         self.eagle, self.lookup = eagle, lookup
         self.max_nodes = eagle.max_nodes + lookup.depth
-        self.taps = eagle.taps
 
     def start(self, prompt_ids: list, hidden=None) -> None:
         self.eagle.start(prompt_ids, hidden)

@@ -26,7 +26,7 @@ def saved_head(folder, target, seed=0, **config) -> EagleHead:
                     layer=eagle_layer_config(c))
     for k, v in config.items():
         setattr(hc, k, v)
-    head = EagleHead(LlamaConfig(**hc.layer), torch.arange(c.vocab_size), hc.taps, hc.input_norm)
+    head = EagleHead(LlamaConfig(**hc.layer), torch.arange(c.vocab_size), hc.input_norm)
     with torch.no_grad():
         for p in head.parameters():
             p.copy_(torch.randn_like(p).mul(0.3).bfloat16())
@@ -99,8 +99,8 @@ def test_export_and_reload_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("case, message", [
-    ("taps", "EAGLE-3"), ("input_norm", "RMS norm before attention"),
-    ("rope", "RoPE"), ("medusa", "holds medusa heads")])
+    ("input_norm", "RMS norm before attention"), ("rope", "RoPE"),
+    ("medusa", "holds medusa heads")])
 def test_a_head_the_format_cannot_express_is_refused_and_nothing_is_written(
         tmp_path, case, message):
     target = tiny_model(0).float()
@@ -112,7 +112,7 @@ def test_a_head_the_format_cannot_express_is_refused_and_nothing_is_written(
                   HeadConfig("medusa", c.hidden_size, c.vocab_size, c.vocab_size, 2), str(folder))
     else:
         layer = eagle_layer_config(target.config)
-        extra = {"taps": dict(taps=[0]), "input_norm": dict(input_norm=True),
+        extra = {"input_norm": dict(input_norm=True),
                  "rope": dict(layer=layer | {"rope_theta": 5e5})}[case]
         saved_head(folder, target, **extra)
     with pytest.raises(LoadError, match=message):

@@ -305,7 +305,7 @@ def test_training_smoke_loss_falls_and_saved_head_decodes_the_same(tmp_path):
 
         # --init: training goes on from the saved head, not from a fresh one
         again, _ = th.init_head(SimpleNamespace(init=str(tmp_path / f"{method}_out"),
-                                                method=method, taps=()), target, seqs)
+                                                method=method), target, seqs)
         assert all(p.requires_grad for p in again.parameters())
         more = training.train(again, loss_of(again), seqs[:8], training.TrainConfig(epochs=1, lr=1e-9,
                                                                         tokens_per_batch=256),
@@ -323,73 +323,6 @@ def test_training_smoke_loss_falls_and_saved_head_decodes_the_same(tmp_path):
         assert out == expect == generate_ar(target, [5, 9, 3], GenConfig(20)).token_ids
 
 
-def test_tapped_features_fuse_losslessly_and_a_head_gains_taps_unchanged(tmp_path):
-    """EAGLE-3's fused features: the shards gain the tapped layers' outputs of a full forward;
-    a trained head grown with taps drafts exactly as before; a random tapped head stays
-    lossless; a tapped head learns; its files round-trip."""
-    import train_heads as th
-    from heads import build_head, projection_rows
-    target = tiny_model(3)
-    C, taps = target.config.hidden_size, (0, 1)
-    rows = [(f"q{i} {'ab' * (i % 5)}", None) for i in range(24)]
-    features.extract_features(target, TinyTokenizer(), rows, str(tmp_path / "f"), 8, 16, 64)
-    features.add_taps(target, str(tmp_path / "f"), taps, 5)
-    features.add_taps(target, str(tmp_path / "f"), taps, 5)                 # done already: a no-op
-    seqs = features.load_features(str(tmp_path / "f"), taps)
-    for s in seqs[:6]:
-        full = target(s.tokens[None, :-1], torch.arange(len(s.tokens) - 1)[None],
-                      target.new_cache(1, 128), taps=taps)[1][0]      # (n - 1, 3C)
-        assert full.shape[1] == 3 * C
-        # the last layer's output (tap 1 of this 2-layer model), normed, is the final feature
-        assert torch.allclose(target.norm(full[:, C:2 * C]), full[:, 2 * C:])
-        assert torch.allclose(s.tapped.float(), full[:, :2 * C].to(torch.bfloat16).float())
-    with pytest.raises(ValueError, match="no outputs of layers"):
-        features.load_features(str(tmp_path / "f"), (0, 2))
-
-    # a head grown with taps (train_heads --init --taps) drafts exactly what it drafted before
-    old = random_eagle(target, 5)
-    config = HeadConfig("eagle", C, target.config.vocab_size, target.config.vocab_size,
-                        layer=eagle_layer_config(target.config))
-    save_head(old, config, str(tmp_path / "old"))
-    grown, grown_config = th.init_head(SimpleNamespace(init=str(tmp_path / "old"),
-                                                       method="eagle", taps=taps), target, [])
-    assert grown_config.taps == list(taps) and grown.taps == taps
-    loaded_old = load_head(str(tmp_path / "old"), target, "eagle")[0]
-    prompt, gen = [5, 9, 3, 12], GenConfig(24)
-    trees = []
-    for h in (loaded_old, grown.to(torch.float64).eval()):
-        prop = EagleProposer(target, h, DraftConfig(3, 2, 6), 256)
-        steps = []
-        out = generate_spec(target, prop, prompt, gen, on_step=lambda t, a, r: steps.append(
-            t.tokens.tolist()))
-        trees.append((out.token_ids, steps))
-    assert trees[0] == trees[1] and len(trees[0][1]) > 3
-
-    # random taps: still exactly plain greedy decoding
-    with torch.no_grad():
-        grown.fuse.weight.normal_(0, 0.3)
-    prop = EagleProposer(target, grown.to(torch.float64).eval(), DraftConfig(3, 3, 8), 256)
-    assert prop.taps == taps
-    for p in ([1, 2, 3], [7], [11, 5, 9, 30, 2, 8]):
-        assert generate_spec(target, prop, p, gen).token_ids == generate_ar(target, p, gen).token_ids
-
-    # a tapped head learns, and saves and loads with its taps
-    target32 = target.float()
-    config = HeadConfig("eagle", C, target.config.vocab_size, 40,
-                        layer=eagle_layer_config(target.config), taps=list(taps))
-    head = build_head(config, features.draft_vocabulary(seqs, 40, (0,)))
-    proj = projection_rows(target32, head.vocab_ids)
-    record = training.train(head, lambda s: training.eagle_loss(head, target32.embed, proj, features.make_batch(s),
-                                                    2, 0.1),
-                      seqs, training.TrainConfig(epochs=20, tokens_per_batch=256, lr=3e-3),
-                      str(tmp_path / "tapped"))
-    first, last = record["losses"][:5], record["losses"][-5:]
-    assert sum(map(sum, last)) < sum(map(sum, first)) - 0.8 * 2, (first, last)
-    save_head(head, config, str(tmp_path / "tapped_out"))
-    loaded, loaded_config = load_head(str(tmp_path / "tapped_out"), target32, "eagle")
-    assert loaded.taps == taps and torch.equal(loaded.fuse.weight, head.fuse.weight.bfloat16().float())
-
-
 def test_a_head_file_that_names_its_layer_layer_loads_the_same(tmp_path):
     from safetensors.torch import load_file, save_file
     target = tiny_model(6)
@@ -403,6 +336,25 @@ def test_a_head_file_that_names_its_layer_layer_loads_the_same(tmp_path):
     save_file({k.replace("layers.0.", "layer."): v for k, v in tensors.items()}, path)
     old = load_head(str(tmp_path / "old"), target, "eagle")[0]
     assert all(torch.equal(v.to(old.fc.weight.dtype), old.state_dict()[k]) for k, v in tensors.items())
+
+
+def test_a_head_config_asking_for_taps_is_refused(tmp_path):
+    """--taps (EAGLE-3's fused features) is deleted: a head that reads target layers beside the
+    final feature is refused in one line; the empty taps older versions wrote still load."""
+    target = tiny_model(6)
+    c = target.config
+    config = HeadConfig("eagle", c.hidden_size, c.vocab_size, c.vocab_size,
+                        layer=eagle_layer_config(c))
+    save_head(random_eagle(target, 7), config, str(tmp_path / "h"))
+    path = tmp_path / "h" / "config.json"
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps(saved | {"taps": []}))          # as every older head has it
+    load_head(str(tmp_path / "h"), target, "eagle")
+    path.write_text(json.dumps(saved | {"taps": [0, 1]}))
+    with pytest.raises(LoadError, match=r"h/config.json: the head reads target layers \[0, 1\]; "
+                                        r"this version reads no fused \(EAGLE-3\) features") as e:
+        load_head(str(tmp_path / "h"), target, "eagle")
+    assert "\n" not in str(e.value)
 
 
 # ---------------------------------------------------------------- the benchmark

@@ -35,7 +35,7 @@ from torch import nn
 from checkpoint import load_model, save_tensors, to_hf_names, write_json
 from default_model import default_model_path
 from export import FORMATS, check_export, export_draft, export_head
-from features import (add_taps, draft_vocabulary, extract_features, load_features, make_batch,
+from features import (draft_vocabulary, extract_features, load_features, make_batch,
                       read_conversations, templated_prompts)
 from heads import (EAGLE_ROPE_THETA, HeadConfig, build_head, eagle_layer_config, load_head,
                    projection_rows, read_head_config)
@@ -50,16 +50,6 @@ from training import (CHECKPOINT, UNROLL, TrainConfig, accuracy_table, draft_los
 
 
 # ---------------------------------------------------------------- command line
-
-def layer_list(text: str) -> tuple:
-    try:
-        taps = tuple(int(t) for t in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected layer indices like 1,14, got {text!r}")
-    if any(t < 0 for t in taps) or len(set(taps)) != len(taps):
-        raise argparse.ArgumentTypeError(f"layer indices must be distinct and >= 0, got {text!r}")
-    return tuple(sorted(taps))
-
 
 def parse_args(argv=None):
     return parse_flags(argv, __doc__, (data_flags, shape_flags, optimizer_flags), check_ranges)
@@ -97,7 +87,7 @@ def data_flags(p) -> None:
 
 
 def shape_flags(p) -> None:
-    """The head or draft trained: its vocabulary, size, start and taps."""
+    """The head or draft trained: its vocabulary, size and start."""
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="R: the heads (and the draft model's greedy drafts) predict over the R most "
                         "frequent answer tokens")
@@ -118,11 +108,6 @@ def shape_flags(p) -> None:
                         "to the newly trained one, weight by weight (WiSE-FT; 1: the trained "
                         "head as is). Applied after training, before the measurements; a rerun "
                         "of a finished run applies it to the checkpoint's head")
-    p.add_argument("--taps", type=layer_list, default=(), metavar="I,J",
-                   help="EAGLE: also feed the head the outputs of these target layers (0-based), "
-                        "fused with the final feature (EAGLE-3); e.g. 1,14. The features stage "
-                        "adds them to existing shards. With --init, a head without taps gains "
-                        "them, started as a pass-through of the final feature")
 
 
 def optimizer_flags(p) -> None:
@@ -210,8 +195,6 @@ def main(argv=None):
 def train_command(args) -> None:
     if args.init and args.method == "draft":
         raise ValueError("--init continues an EAGLE or Medusa head; it does not apply to --method draft")
-    if args.taps and args.method != "eagle":
-        raise ValueError("--taps feeds an EAGLE head; it does not apply to --method " + args.method)
     if not 0 <= args.wise <= 1 or (args.wise < 1 and not args.init):
         raise ValueError(f"--wise {args.wise}: a weight in [0, 1] between an --init head and "
                          "the one trained from it; it needs --init")
@@ -220,8 +203,6 @@ def train_command(args) -> None:
         if init.kind != args.method:
             raise ValueError(f"--init {args.init} holds {init.kind} heads; --method "
                              f"{args.method} trains {args.method} heads")
-        if not args.taps and args.method == "eagle":                     # the head's own taps
-            args.taps = tuple(init.taps)
     check_out(args.out)
     extracting = args.stage in ("features", "all")
     if extracting:               # the data first: a bad line is named before any loading
@@ -237,8 +218,6 @@ def train_command(args) -> None:
         target = load_model(model_path, torch.bfloat16, args.device)
         extract_features(target, tokenizer, rows, features, args.batch, args.max_new_tokens,
                          args.max_prompt_tokens)
-        if args.taps:
-            add_taps(target, features, args.taps, args.batch)
     if args.stage in ("train", "all"):
         train_and_save(args, model_path, features, tokenizer)
 
@@ -261,7 +240,7 @@ def train_and_save(args, model_path: str, features: str, tokenizer) -> None:
     torch.manual_seed(args.seed)
     target = load_model(model_path, torch.float32, args.device).requires_grad_(False)
     seqs = [s for folder in features.split(",")            # "~" after a comma: the shell keeps it
-            for s in load_features(os.path.expanduser(folder), args.taps)]
+            for s in load_features(os.path.expanduser(folder))]
     if len(seqs) <= args.held_out:
         raise ValueError(f"{len(seqs)} sequences in {features}: need more than --held-out "
                          f"{args.held_out}")
@@ -315,8 +294,7 @@ def new_head(args, target, train_seqs: list, stop_ids) -> tuple:
         vocab = draft_vocabulary(train_seqs, args.draft_vocab, stop_ids)
     c = target.config
     config = HeadConfig(args.method, c.hidden_size, c.vocab_size, len(vocab), args.heads,
-                        eagle_layer_config(c) if args.method == "eagle" else {},
-                        taps=list(args.taps))
+                        eagle_layer_config(c) if args.method == "eagle" else {})
     return build_head(config, vocab).to(target.embed.weight.device), config
 
 
@@ -333,21 +311,12 @@ def interpolate(head, start, alpha: float) -> None:
 
 def init_head(args, target, seqs: list) -> tuple:
     """-> (head, HeadConfig) of the trained head in --init, to train further: its shape and
-    draft vocabulary are kept (--draft-vocab and --heads do not apply), but for the taps it
-    gains (--taps) and an older EAGLE head's move to EAGLE's layout (`to_eagle_layout`)."""
+    draft vocabulary are kept (--draft-vocab and --heads do not apply), but for an older EAGLE
+    head's move to EAGLE's layout (`to_eagle_layout`)."""
     head, config = load_head(args.init, target, args.method)
     config.accuracy = []                                                   # measured again
     if config.input_norm:
         head, config = to_eagle_layout(head.float(), config, target.embed, seqs)
-    if args.taps and tuple(config.taps) != args.taps:
-        if config.taps:
-            raise ValueError(f"{args.init}: its head reads layers {config.taps}, not --taps "
-                             f"{','.join(map(str, args.taps))}")
-        config.taps = list(args.taps)             # gains a fuse layer that passes the final feature
-        grown = build_head(config, head.vocab_ids)
-        missing = grown.load_state_dict(head.state_dict(), strict=False).missing_keys
-        assert missing == ["fuse.weight"], missing
-        head = grown
     return head.float().train().requires_grad_(True), config
 
 
@@ -359,8 +328,7 @@ def to_eagle_layout(head, config: HeadConfig, embed, seqs: list) -> tuple:
     base. An approximation, which the training that follows adapts to."""
     fc_out = []
     for s in seqs[:64]:
-        feats = head.fuse_features((s.features() if head.taps else s.hidden)[None]
-                                   .to(head.fc.weight))                     # (1, n - 1, C)
+        feats = s.hidden[None].to(head.fc.weight)                           # (1, n - 1, C)
         tokens = s.tokens[None, 1:].to(embed.weight.device)
         x = head.fc(torch.cat([embed(tokens).to(feats), feats], -1))
         fc_out.append((x[0].pow(2).mean(-1) + config.layer["rms_eps"]).sqrt())   # (n - 1,)

@@ -57,7 +57,7 @@ def eagle_unroll(head, embed, b: Batch, steps: int) -> list:
     B, L = b.feats.shape[:2]
     embeds = embed(b.next_tok)                                         # (B, L, C)
     pos = torch.arange(L, device=b.feats.device)[None].expand(B, L)
-    cache, feats, outs = head.new_cache(0, B), head.fuse_features(b.feats), []
+    cache, feats, outs = head.new_cache(0, B), b.feats, []
     for j in range(steps):
         # fresh tensors every step (a list stands in for the cache's stacked layer): autograd
         # keeps each step's keys for the backward pass, and a later step writing into the same
