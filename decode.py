@@ -1,5 +1,5 @@
 """The decoding loops: plain decoding, and speculative decoding's propose / verify / accept /
-commit. They need a target (model.Llama, or quantize.Padded around one) and, for speculative
+commit. They need a target (model.Llama, or compiled.Compiled around one) and, for speculative
 decoding, a proposer (proposers.py); nothing here knows the command line.
 
 Dimensions: T tokens, N tree nodes, V vocab.

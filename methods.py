@@ -20,7 +20,7 @@ from heads import best_paths, load_head, projection, read_head_config
 from model import Llama, LlamaConfig, LoadError, RopeScaling
 from proposers import (DraftConfig, DraftModelProposer, EagleProposer, LookupEagleProposer,
                        MedusaProposer, PromptLookupProposer, SizeRule)
-from quantize import compiled, convert, load_quantized, quantize
+from quantize import convert, load_quantized, quantize
 from tokenizer import load_tokenizer
 from tree import static_tree
 
@@ -36,6 +36,8 @@ HEAD_KIND = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle", "eagle2+ng
 # eagle2+ngram's lookup branch, scaled by the match (2, 4 or 6 tokens after a match of 1, 2 or
 # 3): 6 measured best of 3, 6, 12 and 24 (docs/RESULTS.md)
 LOOKUP_DEPTH = 6
+# --compile --tree-size auto: the one tree size compiled (measured: docs/RESULTS.md)
+COMPILED_NODES = 8
 RANDOM = "random:"                     # TargetConfig.model random:SHAPE: random weights (SHAPES)
 
 
@@ -60,7 +62,7 @@ class MethodConfig:
     draft: str | None = None       # draft model folder; None: the distilled draft shipped
     heads: tuple = ()              # trained head folders; none: the heads shipped
     draft_int8: bool = True        # drafts run int8 where the kernel is fast (bf16, CPU)
-    compile: bool = False          # torch.compile the decoder blocks (trees padded)
+    compile: bool = False          # the target's steps compiled (compiled.py): fixed tree sizes
     verbose: bool = False          # print the prices --tree-size auto chose from
 
 
@@ -211,8 +213,6 @@ def build_draft(mc: MethodConfig, path: str, target, tokenizer, slots: int) -> t
     own = {id(t) for t in [*target.parameters(), *target.buffers()]}
     params = sum(p.numel() for p in draft.parameters() if id(p) not in own)  # its own only
     draft = quantize(draft, draft_form(mc, draft))       # skips what is the target's
-    if mc.compile:
-        draft = compiled(draft)
     vocab = load_draft_vocab(folder, target.config.vocab_size)
     proj = None if vocab is None else draft_projection(mc, target, vocab)
     proposer = DraftModelProposer(draft, mc.depth, slots, vocab, proj)
@@ -253,24 +253,22 @@ def build_head(mc: MethodConfig, target, slots: int, extra: int = 0) -> tuple:
     params = sum(p.numel() for p in head.parameters())
     head = quantize(head, draft_form(mc, head))
     proj = draft_projection(mc, target, head.vocab_ids)
-    if mc.compile:
-        head = compiled(head)
     # measured P(rank r right | path right) by depth; EAGLE-2 only ever drafts ranks < top_k
     accuracy = [row[:mc.top_k] if mc.method == "eagle2" else row for row in
                 config.accuracy[:mc.depth]]
-    auto = mc.tree_size == "auto"
+    # compiled, a tree is padded to one size: auto's prices would be flat, so a fixed size
+    auto = mc.tree_size == "auto" and not mc.compile
+    fixed = COMPILED_NODES if mc.compile and mc.tree_size == "auto" else mc.tree_size
     most = per_step_most(mc.depth, mc.top_k)
     if mc.method == "eagle2":
-        # compiled, every pass is padded to one shape: verifying all it drafts costs no more
-        rule = SizeRule(most, accuracy) if auto and not mc.compile else None
-        size = most if auto else mc.tree_size or mc.depth * mc.top_k      # 0: as --help says
+        rule = SizeRule(most, accuracy) if auto else None
+        size = most if auto else min(fixed or mc.depth * mc.top_k, most)  # 0: as --help says
         proposer = EagleProposer(target, head, DraftConfig(mc.depth, mc.top_k, size, rule), slots,
                                  proj=proj)
-        auto = rule is not None
     else:
         if not accuracy:
             raise ValueError(f"{folder}/config.json has no measured accuracy to build a tree from")
-        size = AUTO_MAX if auto else mc.tree_size or mc.depth * mc.top_k
+        size = AUTO_MAX if auto else fixed or mc.depth * mc.top_k
         tree = static_tree(best_paths(accuracy, size))
         proposer = (MedusaProposer(target, head, tree, proj) if kind == "medusa" else
                     EagleProposer(target, head, DraftConfig(mc.depth), slots, tree, proj=proj))

@@ -1,5 +1,4 @@
-"""The speed machinery, attached by swapping modules (as gpt-fast's quantize.py): weight-only
-quantized linear layers, and torch.compile's copy.
+"""Weight-only quantized linear layers, attached by swapping modules (as gpt-fast's quantize.py).
 
 Dimensions: M rows (batch x tokens), I input features, O output features, G group size.
 
@@ -19,10 +18,7 @@ the activations' dtype.
 
 `load_quantized` keeps a model's quantized form in a named file beside its weights, so that
 packing it is one-time work.
-`compiled` is the other swap: a copy of a model whose decoder blocks run through torch.compile;
-`Padded` wraps it so that every tree is verified at one size (one compiled shape).
 """
-import copy
 import os
 import sys
 
@@ -31,9 +27,9 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from attention import whole_groups, with_prefix
+from attention import whole_groups
 from checkpoint import config_from_hf, load_model, read_json, save_tensors
-from model import Block, Llama
+from model import Llama
 
 WEIGHTS = ("float", "int8", "int4")
 GROUP = 32                                    # Q4_1's block length
@@ -223,67 +219,3 @@ def write_kept(model: Llama, keep: str, stamp: dict) -> bool:
         return True
     except (OSError, SafetensorError):
         return False
-
-
-# ---------------------------------------------------------------- torch.compile
-
-def compiled(module: nn.Module) -> nn.Module:
-    """A copy of module that shares its weights and runs its decoder Blocks through torch.compile.
-
-    The module itself stays eager, so a benchmark can time both in one run. Every Block is one
-    graph with its weights as inputs, so the 30 layers of the default model compile once
-    (seconds), not 30 times. Shapes are symbolic (dynamic=True): the cached prefix grows every
-    step, and trees change size."""
-    return shallow_copy(module, lambda m: torch.compile(m, dynamic=True)
-                        if isinstance(m, Block) else None)
-
-
-def shallow_copy(module: nn.Module, stand_in=lambda m: None) -> nn.Module:
-    """A copy of module and its submodules that shares their parameters and buffers;
-    stand_in(m) may return a replacement for a submodule m (then it is not copied)."""
-    replaced = stand_in(module)
-    if replaced is not None:
-        return replaced
-    view = copy.copy(module)
-    view._modules = {name: shallow_copy(child, stand_in) for name, child in module._modules.items()}
-    return view
-
-
-class Padded(nn.Module):
-    """A target whose tree passes run at one size, `size` nodes (`pad_inputs`), their outputs
-    cut back to the tree's: a compiled target then sees one shape. Calls without a mask (a
-    prefill, a plain step) pass through; a mask sees the whole prefix (a tree's, `with_prefix`)."""
-
-    def __init__(self, model: Llama, size: int):
-        super().__init__()
-        self.model, self.size = model, size
-        self.config, self.embed = model.config, model.embed     # what decoding reads of a target
-
-    def new_cache(self, *args, **kwargs):
-        return self.model.new_cache(*args, **kwargs)
-
-    def forward(self, tokens, positions, cache, mask=None, last_only=False, **options):
-        if mask is None:
-            return self.model(tokens, positions, cache, mask, last_only, **options)
-        n, start = tokens.shape[1], cache.length
-        tokens, positions, mask = pad_inputs(tokens[0], positions[0], mask[:, start:], self.size)
-        logits, hidden = self.model(tokens[None], positions[None], cache,
-                                    with_prefix(mask, start), **options)
-        if logits is not None:                               # the real rows (the last: last_only)
-            logits = logits[:, n - 1:n] if last_only else logits[:, :n]
-        return logits, hidden[:, :n]                         # the pads' slots go with the rejected
-
-
-def pad_inputs(tokens, pos, mask, size: int) -> tuple:
-    """A tree's tokens (N,), positions (N,) and mask (N, N) padded to `size` nodes, for a
-    fixed-shape (compiled) forward. A pad node repeats the root at its position and sees every
-    node before it (so a padded chain is still a chain to attention, one compiled shape); no
-    real node sees it, so the first N outputs are unchanged and the pad's cache slots are
-    dropped with every other rejected node."""
-    n = tokens.shape[0]
-    if n > size:
-        raise ValueError(f"a tree of {n} nodes does not fit the padded size {size}")
-    full = torch.ones(size, size, dtype=torch.bool).tril()             # (size, size)
-    full[:n, :n] = mask
-    return (torch.cat([tokens, tokens[:1].expand(size - n)]),
-            torch.cat([pos, pos[:1].expand(size - n)]), full)

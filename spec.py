@@ -19,12 +19,13 @@ from decode import GenConfig, acceptance_by_position, check_room, generate_ar, g
 from methods import (HEAD_KIND, METHODS, RANDOM, SHAPES, TREE_DEFAULTS, MethodConfig,
                      TargetConfig, build_proposer, check_heads, describe, load_target,
                      method_config, parse_flags, room)
-from quantize import Padded, compiled
+from compiled import Compiled, check_compiler
 from tree import render_tree
 
 # long enough an answer to watch drafts arrive in bursts
 DEFAULT_PROMPT = "Explain how a bicycle works, in a few paragraphs."
 BENCH_METHODS = "ar,draft,ngram,medusa,eagle,eagle2"
+BENCH_WIDTH = 2048           # --bench --compile: every cache this wide (Spec-Bench's prompts fit)
 EXIT_BAD_INPUT, EXIT_INTERRUPTED = 2, 130          # argparse's code for bad input; 128 + SIGINT
 
 
@@ -63,14 +64,14 @@ def bench_decoder(args, method: str, loaded: tuple, gen: GenConfig) -> tuple:
     path, target, tokenizer = loaded
     fast = method.endswith(COMPILED)
     method = method.removesuffix(COMPILED)
-    if fast:
-        target = compiled(target)
     if method == "ar":
-        return (lambda ids: generate_ar(target, ids, gen, tokenizer.stop_ids)), 0.0, "plain"
+        plain = Compiled(target, least=BENCH_WIDTH) if fast else target
+        return (lambda ids: generate_ar(plain, ids, gen, tokenizer.stop_ids)), 0.0, "plain"
     mc = method_of(args, method, compile=fast)
     proposer, info = build_proposer(mc, path, target, tokenizer,
                                     target.config.max_positions + room(mc) + 1)
-    verifier = Padded(target, proposer.max_nodes) if fast else target   # one compiled shape
+    # compiled: one graph per size and width, the cache as wide for every prompt
+    verifier = Compiled(target, (proposer.max_nodes,), BENCH_WIDTH) if fast else target
     return (lambda ids: generate_spec(verifier, proposer, ids, gen, tokenizer.stop_ids),
             info["draft_memory_mb"], describe(mc, info))
 
@@ -79,8 +80,6 @@ def bench_decoder(args, method: str, loaded: tuple, gen: GenConfig) -> tuple:
 
 def run(args) -> dict:
     path, target, tokenizer = load_target(target_config(args))
-    if args.compile:
-        target = compiled(target)
     prompt_ids = tokenizer.raw_ids(args.prompt) if args.raw else tokenizer.chat_prompt(args.prompt)
     gen = gen_of(args, args.temperature[0])
     marks = sys.stdout.isatty() if args.show_drafts is None else args.show_drafts
@@ -89,6 +88,8 @@ def run(args) -> dict:
     warm = GenConfig(8, gen.temperature, gen.top_p, gen.seed)
     if args.method == "ar":
         if args.compile:
+            target = Compiled(target)
+            compiling(target.sizes)
             generate_ar(target, prompt_ids, warm, tokenizer.stop_ids)
         result, info = generate_ar(target, prompt_ids, gen, tokenizer.stop_ids, stream), {}
     else:
@@ -96,8 +97,9 @@ def run(args) -> dict:
         slots = check_room(target, prompt_ids, gen, room(mc))
         proposer, info = build_proposer(mc, path, target, tokenizer, slots)
         show = tree_printer(tokenizer) if args.show_tree else None
-        verifier = Padded(target, proposer.max_nodes) if args.compile else target
+        verifier = Compiled(target, (proposer.max_nodes,)) if args.compile else target
         if args.compile:
+            compiling(verifier.sizes)
             generate_spec(verifier, proposer, prompt_ids, warm, tokenizer.stop_ids)
         result = generate_spec(verifier, proposer, prompt_ids, gen, tokenizer.stop_ids, stream,
                                show)
@@ -113,6 +115,11 @@ def run(args) -> dict:
             "target_forwards": result.target_forwards, "tau": round(result.tau, 3),
             "seconds": round(result.seconds, 3),
             "tokens_per_s": round(len(result.token_ids) / max(result.seconds, 1e-9), 2)} | info
+
+
+def compiling(sizes) -> None:
+    print(f"Compiling the decode step for {' and '.join(map(str, sizes))} tokens (minutes the "
+          f"first time; torch keeps the result for the next start)", file=sys.stderr)
 
 
 def tree_printer(tokenizer):
@@ -220,11 +227,12 @@ def model_flags(p) -> None:
                         "drafts stay float). A draft only decides what is proposed, so "
                         "decoding stays lossless")
     p.add_argument("--compile", action="store_true",
-                   help="experimental: torch.compile the decoder layers of the target and of "
-                        "the draft or head (trees are padded to one size); with --bench, every "
-                        "method also runs compiled (METHOD+compile rows) beside eager. Not exact: "
-                        "the compiled kernels do not compute a row the same way whatever shares "
-                        "the call, so the text may differ from eager decoding's")
+                   help="the target's decode step as one torch.compile graph per size (1 "
+                        "token, and the method's tree, padded to one size; --tree-size auto "
+                        "becomes a fixed size); drafting stays eager. Exact among compiled "
+                        "methods (each writes compiled ar's text); the text may differ from "
+                        "eager decoding's. The first start compiles for minutes. With --bench, "
+                        "every method also runs compiled (METHOD+compile rows)")
 
 
 def draft_flags(p) -> None:
@@ -407,6 +415,8 @@ def temperatures(text: str) -> list:
 def main(argv=None):
     args = parse_args(argv)
     try:
+        if args.compile:
+            check_compiler()                    # one line where torch cannot, before loading
         check_heads(args.head, args.methods.split(",") if args.bench else [args.method])
         if args.verify_curve:
             report = verify_curve(target_config(args))

@@ -930,60 +930,6 @@ def test_prompt_lookup_finds_the_latest_match_and_is_lossless():
         assert len(spec.token_ids) == 40
 
 
-def test_padded_trees_change_nothing():
-    # Padding the verified tree to a fixed size (for torch.compile) must not change a token.
-    from proposers import PromptLookupProposer
-    from quantize import Padded, pad_inputs
-    target = tiny_model(6)
-    prompt = [3, 4, 5, 6, 7, 8, 3, 4, 5, 6, 7, 8, 3, 4]
-    gen = GenConfig(max_new_tokens=40)
-    plain = generate_ar(target, prompt, gen).token_ids
-    proposer = PromptLookupProposer(4)
-    padded = generate_spec(Padded(target, proposer.max_nodes), proposer, prompt, gen)
-    assert padded.token_ids == plain
-    assert min(padded.drafted) < 4, "some chains were padded"
-    causal = torch.ones(5, 5, dtype=torch.bool).tril()
-    mask = pad_inputs(torch.arange(3), torch.arange(3), causal[:3, :3], 5)[2]
-    assert torch.equal(mask, causal), "a padded chain is a chain: no gathered tail to compile"
-
-
-def test_padding_a_tree_changes_no_real_nodes_logits():
-    # trees, not only chains: a pad node sees the nodes before it, no real node sees a pad
-    from quantize import Padded, pad_inputs
-    target, rng = tiny_model(2), random.Random(0)
-    for n in (2, 5, 7):
-        tree = random_tree(rng, n)
-        mask = ancestor_mask(tree.parents, tree.depths)
-        pos = positions(tree.depths, 9)
-        outs = []
-        for tokens, p, seen in [(tree.tokens, pos, mask), pad_inputs(tree.tokens, pos, mask, 9)]:
-            cache = run_full(target, list(range(1, 10)))[2]
-            with torch.no_grad():
-                outs.append(target(tokens[None], p[None], cache, with_prefix(seen, 9))[0][0, :n])
-        # (float64's matmul may round a row by another path at another row count: 1e-12)
-        assert torch.allclose(outs[0], outs[1], rtol=0, atol=1e-12), f"a tree of {n} nodes"
-        cache = run_full(target, list(range(1, 10)))[2]
-        with torch.no_grad():                   # the wrapper: the tree's last row, not a pad's
-            last, hidden = Padded(target, 9)(tree.tokens[None], pos[None], cache,
-                                             with_prefix(mask, 9), last_only=True)
-        assert last.shape[1] == 1 and hidden.shape[1] == n
-        assert torch.allclose(last[0, 0], outs[0][-1], rtol=0, atol=1e-12)
-
-
-def test_compiled_model_equals_eager():
-    from quantize import Padded, compiled
-    from proposers import PromptLookupProposer
-    target = tiny_model(6).to(torch.float32)
-    fast = compiled(target)
-    assert fast.layers[0] is not target.layers[0] and fast.lm_head.weight is target.lm_head.weight
-    prompt = [3, 4, 5, 6, 7, 8, 3, 4, 5, 6, 7, 8, 3, 4]
-    gen = GenConfig(max_new_tokens=24)
-    plain = generate_ar(target, prompt, gen).token_ids
-    assert generate_ar(fast, prompt, gen).token_ids == plain
-    proposer = PromptLookupProposer(4)
-    assert generate_spec(Padded(fast, proposer.max_nodes), proposer, prompt, gen).token_ids == plain
-
-
 def test_cache_room_counts_the_lookup_branch():
     # eagle2+ngram verifies EAGLE-2's tree plus the lookup chain: the cache must hold both.
     from methods import AUTO_MAX, LOOKUP_DEPTH, method_config, tree_budget

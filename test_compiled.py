@@ -1,0 +1,174 @@
+"""--compile (compiled.py): exactness inside the compiled configuration, the fixed-shape step's
+rows, no recompiles, and a machine that cannot compile. Compiling costs seconds a graph even for
+a tiny model, so the compiled tests share one target and its graphs (sizes 1 and TREE, widths
+256 and 512)."""
+import random
+
+import pytest
+import torch
+
+from attention import with_prefix
+from compiled import Compiled, check_compiler, pad_inputs, step
+from decode import GenConfig, generate_ar, generate_spec
+from quantize import quantize
+from test_spec import random_tree, tiny_model
+from tree import ancestor_mask, make_tree, positions
+
+TREE = 6
+SHORT = [3, 4, 5, 6, 7, 8, 3, 4, 5, 6, 7, 8, 3, 4]
+EDGE = [i % 40 + 2 for i in range(58)]      # its trees soon cross a block of 64 slots
+LONG = list(range(1, 60)) * 4 + [7, 8]         # 238 tokens: its cache is the next width, 512
+
+
+class KnownTrees:
+    """Random trees of 1..TREE nodes with the target's own text along the path to a random
+    node (often not the first path): trees of changing size whose accepted nodes are gathered
+    from among other nodes' slots."""
+
+    max_nodes = TREE
+
+    def __init__(self, text: list, seed: int):
+        self.text, self.rng = text, random.Random(seed)
+
+    def start(self, prompt_ids, hidden=None):
+        self.at = 0                          # the root is text[self.at]
+
+    def propose(self, root, gen, generator):
+        n = self.rng.randint(1, TREE)
+        parents = [-1] + [self.rng.randrange(i) for i in range(1, n)]
+        tokens = [root] + [self.rng.randrange(61) for _ in range(1, n)]
+        node, path = n - 1, []
+        while node > 0:
+            path.append(node)
+            node = parents[node]
+        for depth, node in enumerate(reversed(path), 1):
+            if self.at + depth < len(self.text):
+                tokens[node] = self.text[self.at + depth]
+        return make_tree(tokens, parents), None
+
+    def commit(self, tree, accepted, hidden=None):
+        self.at += accepted.shape[0]         # the accepted path, root included; the bonus next
+
+
+@pytest.fixture(scope="module")
+def target():
+    # the default configuration's kernels: int4 matrices, an int8 head, bfloat16 activations
+    model = tiny_model(6, intermediate_size=64).to(torch.bfloat16)
+    return quantize(model, "int4", "int8")
+
+
+def test_compiled_methods_write_compiled_plain_decodings_text(target):
+    gen = GenConfig(max_new_tokens=40)
+    fast = Compiled(target, (TREE,))
+    for prompt in (SHORT, EDGE, LONG):
+        plain = generate_ar(fast, prompt, gen).token_ids
+        for seed in range(2):
+            spec = generate_spec(fast, KnownTrees(plain, seed), prompt, gen)
+            assert spec.token_ids == plain, f"prompt of {len(prompt)}, seed {seed}"
+            assert sum(spec.accepted) >= 10 and len(set(spec.drafted)) >= 3
+
+
+def test_compiled_sampling_equals_compiled_plain_sampling(target):
+    gen = GenConfig(max_new_tokens=30, temperature=1.0, seed=5)
+    fast = Compiled(target, (TREE,))
+    plain = generate_ar(fast, SHORT, gen).token_ids
+    spec = generate_spec(fast, KnownTrees(plain, 0), SHORT, gen)
+    assert spec.token_ids == plain and sum(spec.accepted) >= 5
+
+
+def test_no_step_compiles_again_after_warm_up(target):
+    from torch._dynamo.utils import counters
+    gen = GenConfig(max_new_tokens=40)
+    fast = Compiled(target, (TREE,))
+    for prompt in (SHORT, LONG):                 # warm-up: every size and width once
+        generate_spec(fast, KnownTrees(generate_ar(fast, prompt, gen).token_ids, 0), prompt, gen)
+    graphs = counters["stats"]["unique_graphs"]
+    for seed, prompt in enumerate([SHORT, LONG, EDGE, LONG[:200]]):   # EDGE: new lengths
+        plain = generate_ar(fast, prompt, gen).token_ids
+        spec = generate_spec(fast, KnownTrees(plain, seed + 7), prompt, gen)
+        assert len(set(spec.drafted)) >= 3, "trees of several sizes"
+    assert counters["stats"]["unique_graphs"] == graphs, "a step compiled again"
+
+
+def test_a_compiled_tree_row_equals_its_path_run_one_token_at_a_time():
+    # row invariance: a node computed among TREE rows gets the bits of its path's last token
+    # computed alone, in plain decoding's layout (the compiled graphs of 1 and TREE tokens).
+    # float32 throughout: bfloat16 activations would round most of a difference away. Trees
+    # across a block boundary: a node's ancestors fall into other blocks of 64 slots in the
+    # tree's layout than in plain decoding's.
+    target = quantize(tiny_model(3, hidden_size=128, num_heads=2, num_kv_heads=1,
+                                intermediate_size=128).to(torch.float32), "float")
+    fast, rng = Compiled(target, (TREE,)), random.Random(4)
+    for n, start in ((TREE, 61), (4, 62), (TREE, 125), (5, 70)):
+        tree = random_tree(rng, n)
+        mask = ancestor_mask(tree.parents, tree.depths)
+        cache = fast.new_cache(1, 200)
+        with torch.inference_mode():
+            fast(torch.tensor([[i % 50 + 5 for i in range(start)]]), torch.arange(start)[None],
+                 cache)
+            logits, _ = fast(tree.tokens[None], positions(tree.depths, start)[None], cache,
+                             with_prefix(mask, start))
+            for node in range(n):
+                cache.length = start
+                for j in mask[node].nonzero()[:, 0].tolist():     # its path, one at a time
+                    alone, _ = fast(tree.tokens[None, j:j + 1], torch.tensor([[cache.length]]),
+                                    cache)
+                assert torch.equal(alone[0, -1], logits[0, node]), f"node {node} after {start}"
+
+
+def test_the_fixed_step_equals_eager_attention_rows():
+    # the step's static attention (a fixed window gathered per query, blocks added in order)
+    # computes what attention.attend computes; float64, where both are exact to rounding
+    model = tiny_model(2)
+    rng = random.Random(1)
+    for n, start in ((5, 9), (7, 70), (3, 130)):
+        tree = random_tree(rng, n)
+        mask = ancestor_mask(tree.parents, tree.depths)
+        pos = positions(tree.depths, start)
+        ref_cache, cache = model.new_cache(1, 256), model.new_cache(1, 256)
+        prompt = torch.tensor([[rng.randrange(61) for _ in range(start)]])
+        with torch.no_grad():
+            for c in (ref_cache, cache):
+                model(prompt, torch.arange(start)[None], c)
+            ref, _ = model(tree.tokens[None], pos[None], ref_cache, with_prefix(mask, start))
+            ids, p, m = pad_inputs(tree.tokens, pos, mask, TREE + 2)
+            got, _ = step(model, ids[None], p[None], cache.k.unbind(0), cache.v.unbind(0),
+                          torch.tensor(start), m)
+        assert torch.allclose(got[0, :n], ref[0], rtol=0, atol=1e-10), f"{n} after {start}"
+        assert torch.allclose(cache.k[:, :, :, :start + n], ref_cache.k[:, :, :, :start + n],
+                              rtol=0, atol=1e-10), "the new keys, in their slots"
+
+
+def test_padding_a_tree_keeps_its_nodes_and_makes_pads_see_before_them():
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    tokens, pos, mask = pad_inputs(torch.arange(3), torch.arange(3), causal[:3, :3], 5)
+    assert torch.equal(mask, causal), "a padded chain is still a chain"
+    assert tokens.tolist() == [0, 1, 2, 0, 0] and pos.tolist() == [0, 1, 2, 0, 0]
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_inputs(torch.arange(6), torch.arange(6), causal.new_ones(6, 6), 5)
+
+
+def test_a_machine_that_cannot_compile_is_told_in_one_line(capsys):
+    import torch._inductor.config as inductor
+    from spec import main
+    torch._dynamo.reset()
+    # no C++ compiler, and no kept build of the probe's graph to load instead
+    with inductor.patch({"cpp.cxx": (None, "/no/such/compiler"), "fx_graph_cache": False}):
+        with pytest.raises(SystemExit) as exit:
+            main(["--compile", "--model", "no/such/folder"])
+    err = capsys.readouterr().err.strip()
+    assert exit.value.code == 2 and err.count("\n") == 0, err
+    assert err.startswith("error: --compile: torch cannot compile") and "without --compile" in err
+    torch._dynamo.reset()
+
+
+def test_the_gpu_check_runs_in_its_small_mode_on_the_cpu(tmp_path):
+    import json
+    from gpu_check import main
+    main(["--small", "--out", str(tmp_path / "check.json")])
+    report = json.loads((tmp_path / "check.json").read_text())
+    assert report["exact_float32"]["eager"]["equal"] and report["exact_bfloat16"]["eager"]["equal"]
+    assert report["exact_bfloat16"]["compiled"]["equal"]
+    plain = report["plain_smollm2-135m-thin"]
+    assert plain["compiled_tokens_s"] > 0 and plain["limit_tokens_s"] > plain["eager_tokens_s"]
+    assert sorted(report["curve_smollm2-135m-thin"]) == ["1", "2", "4"]     # (JSON keys)
