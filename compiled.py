@@ -20,7 +20,6 @@ the blocks are added in one fixed order.
 Dimensions: T new tokens (padded), S cache slots (the width), R window slots, B batch = 1.
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from attention import SLOT_BLOCK, TAIL_BLOCKS, block_sums, whole_groups, with_ones
@@ -123,9 +122,13 @@ class Compiled(nn.Module):
         cuda = model.embed.weight.device.type == "cuda"
         # a graph per (size, width), and every method of a bench shares them
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        # on a GPU the same graphs replay as CUDA graphs: no launch per kernel either
+        # on a GPU the same graphs replay as CUDA graphs (no launch per kernel either).
+        # emulate_precision_casts: round every intermediate as eager does; else a fused kernel
+        # may skip a bfloat16 rounding, and the graphs of 1 and N tokens (fused differently
+        # from a few layers on) would give a row different bits
         self.graph = torch.compile(step, fullgraph=True, dynamic=False,
-                                   mode="reduce-overhead" if cuda else None)
+                                   options={"emulate_precision_casts": True,
+                                            "triton.cudagraphs": cuda})
 
     def new_cache(self, batch: int = 1, slots: int | None = None) -> KVCache:
         return self.model.new_cache(batch, cache_width(max(slots or 0, self.least)))

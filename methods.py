@@ -37,7 +37,7 @@ HEAD_KIND = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle", "eagle2+ng
 # 3): 6 measured best of 3, 6, 12 and 24 (docs/RESULTS.md)
 LOOKUP_DEPTH = 6
 # --compile --tree-size auto: the one tree size compiled (measured: docs/RESULTS.md)
-COMPILED_NODES = 8
+COMPILED_NODES = 2
 RANDOM = "random:"                     # TargetConfig.model random:SHAPE: random weights (SHAPES)
 
 

@@ -25,7 +25,6 @@ from tree import render_tree
 # long enough an answer to watch drafts arrive in bursts
 DEFAULT_PROMPT = "Explain how a bicycle works, in a few paragraphs."
 BENCH_METHODS = "ar,draft,ngram,medusa,eagle,eagle2"
-BENCH_WIDTH = 2048           # --bench --compile: every cache this wide (Spec-Bench's prompts fit)
 EXIT_BAD_INPUT, EXIT_INTERRUPTED = 2, 130          # argparse's code for bad input; 128 + SIGINT
 
 
@@ -58,20 +57,20 @@ def bench_config(args) -> BenchConfig:
                        args.draft, args.plot)
 
 
-def bench_decoder(args, method: str, loaded: tuple, gen: GenConfig) -> tuple:
+def bench_decoder(args, method: str, loaded: tuple, gen: GenConfig, slots: int) -> tuple:
     """For bench.run_bench: (prompt_ids -> Result, MB the method adds to the target, its
-    configuration in words)."""
+    configuration in words). slots: the most a prompt needs; compiled, every cache is that
+    wide (one compiled width for the whole bench)."""
     path, target, tokenizer = loaded
     fast = method.endswith(COMPILED)
     method = method.removesuffix(COMPILED)
     if method == "ar":
-        plain = Compiled(target, least=BENCH_WIDTH) if fast else target
+        plain = Compiled(target, least=slots) if fast else target
         return (lambda ids: generate_ar(plain, ids, gen, tokenizer.stop_ids)), 0.0, "plain"
     mc = method_of(args, method, compile=fast)
     proposer, info = build_proposer(mc, path, target, tokenizer,
                                     target.config.max_positions + room(mc) + 1)
-    # compiled: one graph per size and width, the cache as wide for every prompt
-    verifier = Compiled(target, (proposer.max_nodes,), BENCH_WIDTH) if fast else target
+    verifier = Compiled(target, (proposer.max_nodes,), slots) if fast else target
     return (lambda ids: generate_spec(verifier, proposer, ids, gen, tokenizer.stop_ids),
             info["draft_memory_mb"], describe(mc, info))
 
