@@ -6,8 +6,9 @@ weights. torch.compile removes that cost when it sees the whole step as one grap
 generated code. So a compiled step has:
   - a fixed number of new tokens: 1 for plain decoding, else a tree padded to one of a few sizes
     (`pad_inputs`);
-  - a fixed cache width: caches are allocated in power-of-two widths (`cache_width`), and the
-    step attends over the whole width, the slots nobody sees masked;
+  - a fixed cache width: a step attends over the first `cache_width(slots in use)` slots of
+    the cache (a power of two), the slots nobody sees masked: a few widths, a graph each, and
+    a short conversation does not pay for attending over the whole allocation;
   - the cache length as a tensor, not a Python int, so a growing prefix is data, not shape.
 Prefills (more than the largest size of tokens) stay eager: they run once per prompt.
 
@@ -26,7 +27,7 @@ from attention import SLOT_BLOCK, TAIL_BLOCKS, block_sums, whole_groups, with_on
 from model import KVCache, Llama, apply_rope
 
 WINDOW = TAIL_BLOCKS * SLOT_BLOCK        # R: slots a query gathers in its plain layout
-NARROWEST = 256                          # the smallest cache width allocated
+NARROWEST = 256                          # the smallest cache width attended
 
 
 def cache_width(slots: int) -> int:
@@ -111,13 +112,12 @@ def step(model: Llama, tokens, positions, k, v, start, mask):
 
 class Compiled(nn.Module):
     """A target (model.Llama's interface) whose steps run compiled: one graph per step size in
-    `sizes` (1 and the padded tree sizes) and cache width; prefills run eager. Its caches are
-    at least `least` slots wide, so that a run whose longest prompt sets `least` compiles one
-    width (each wider cache costs a compile of its own)."""
+    `sizes` (1 and the padded tree sizes) and width attended (`cache_width` of the slots in
+    use); prefills run eager."""
 
-    def __init__(self, model: Llama, sizes=(1,), least: int = NARROWEST):
+    def __init__(self, model: Llama, sizes=(1,)):
         super().__init__()
-        self.model, self.sizes, self.least = model, sorted(set(sizes) | {1}), least
+        self.model, self.sizes = model, sorted(set(sizes) | {1})
         self.config, self.embed = model.config, model.embed     # what decoding reads of a target
         cuda = model.embed.weight.device.type == "cuda"
         # a graph per (size, width), and every method of a bench shares them
@@ -131,7 +131,7 @@ class Compiled(nn.Module):
                                             "triton.cudagraphs": cuda})
 
     def new_cache(self, batch: int = 1, slots: int | None = None) -> KVCache:
-        return self.model.new_cache(batch, cache_width(max(slots or 0, self.least)))
+        return self.model.new_cache(batch, cache_width(slots or NARROWEST))
 
     def forward(self, tokens, positions, cache, mask=None, last_only=False):
         n, start = tokens.shape[1], cache.length
@@ -141,11 +141,12 @@ class Compiled(nn.Module):
         tree = (torch.ones(n, n, dtype=torch.bool).tril() if mask is None
                 else mask[:, start:].cpu())                         # (n, n) among new tokens
         tokens, positions, tree = pad_inputs(tokens[0], positions[0], tree, size)
-        device = tokens.device
-        # the layers' caches as separate inputs: a write into a slice of one stacked tensor
-        # would copy the whole cache every layer
-        logits, hidden = self.graph(self.model, tokens[None], positions[None],
-                                    cache.k.unbind(0), cache.v.unbind(0),
+        device, width = tokens.device, min(cache_width(start + size), cache.slots)
+        # each layer's cache a separate input, its first `width` slots (a view: written in
+        # place); a write into a slice of one stacked tensor would copy the whole cache
+        keys = [k[:, :, :width] for k in cache.k.unbind(0)]              # (1, K, width, D)
+        values = [v[:, :, :width] for v in cache.v.unbind(0)]            # (1, K, width, D + 1)
+        logits, hidden = self.graph(self.model, tokens[None], positions[None], keys, values,
                                     torch.tensor(start, device=device), tree.to(device))
         cache.length = start + n
         logits = logits[:, n - 1:n] if last_only else logits[:, :n]

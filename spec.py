@@ -57,20 +57,19 @@ def bench_config(args) -> BenchConfig:
                        args.draft, args.plot)
 
 
-def bench_decoder(args, method: str, loaded: tuple, gen: GenConfig, slots: int) -> tuple:
+def bench_decoder(args, method: str, loaded: tuple, gen: GenConfig) -> tuple:
     """For bench.run_bench: (prompt_ids -> Result, MB the method adds to the target, its
-    configuration in words). slots: the most a prompt needs; compiled, every cache is that
-    wide (one compiled width for the whole bench)."""
+    configuration in words)."""
     path, target, tokenizer = loaded
     fast = method.endswith(COMPILED)
     method = method.removesuffix(COMPILED)
     if method == "ar":
-        plain = Compiled(target, least=slots) if fast else target
+        plain = Compiled(target) if fast else target
         return (lambda ids: generate_ar(plain, ids, gen, tokenizer.stop_ids)), 0.0, "plain"
     mc = method_of(args, method, compile=fast)
     proposer, info = build_proposer(mc, path, target, tokenizer,
                                     target.config.max_positions + room(mc) + 1)
-    verifier = Compiled(target, (proposer.max_nodes,), slots) if fast else target
+    verifier = Compiled(target, (proposer.max_nodes,)) if fast else target
     return (lambda ids: generate_spec(verifier, proposer, ids, gen, tokenizer.stop_ids),
             info["draft_memory_mb"], describe(mc, info))
 
