@@ -188,8 +188,8 @@ def format_tables(summary: dict, methods: list) -> str:
 
 @torch.inference_mode()
 def run_bench(bc: BenchConfig, build, loaded: tuple, out=sys.stdout) -> dict:
-    """build(method, loaded, GenConfig) -> (decode(prompt_ids) -> decode.Result, added MB,
-    configuration in words); loaded: (model path, target, tokenizer).
+    """build(method, loaded, GenConfig, most slots a prompt needs) -> (decode(prompt_ids) ->
+    decode.Result, added MB, configuration in words); loaded: (model path, target, tokenizer).
 
     One run per temperature of bc.temperatures, each with its own baseline. Returns the JSON
     report; the tables go to `out`, the progress to stderr."""
@@ -204,11 +204,14 @@ def run_bench(bc: BenchConfig, build, loaded: tuple, out=sys.stdout) -> dict:
     print(f"bench: {len(prompts)} prompts ({turns} turns) from {bc.prompts}, categories "
           f"{', '.join(dict.fromkeys(p.category for p in prompts))}", file=sys.stderr)
     decoders, extra_mb, configs, hf_models = {}, {}, {}, {}
+    # the most cache slots a conversation needs: its turns' text and every answer in full
+    longest = max(len(tokenizer.chat_ids([("user", "\n\n".join(p.turns))]))
+                  + len(p.turns) * (bc.max_new_tokens + 16) for p in prompts)
     for T in bc.temperatures:
         gen = GenConfig(bc.max_new_tokens, T, bc.top_p, bc.seed)
         for m in methods:
             made = (peer_decoder(bc, m, loaded, gen, hf_models) if m in PEERS else
-                    build(m, loaded, gen))
+                    build(m, loaded, gen, longest))
             decoders[T, m], extra_mb[m], configs[m] = made
             decoders[T, m](tokenizer.chat_prompt("Hello! Say something."))       # warm-up
     records, interrupted = decode_all(prompts, decoders, tokenizer)

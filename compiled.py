@@ -113,11 +113,12 @@ def step(model: Llama, tokens, positions, k, v, start, mask):
 class Compiled(nn.Module):
     """A target (model.Llama's interface) whose steps run compiled: one graph per step size in
     `sizes` (1 and the padded tree sizes) and width attended (`cache_width` of the slots in
-    use); prefills run eager."""
+    use); prefills run eager. Its caches are `slots` slots wide (a run's most), or wider where
+    asked (a graph more per width then)."""
 
-    def __init__(self, model: Llama, sizes=(1,)):
+    def __init__(self, model: Llama, sizes=(1,), slots: int = NARROWEST):
         super().__init__()
-        self.model, self.sizes = model, sorted(set(sizes) | {1})
+        self.model, self.sizes, self.slots = model, sorted(set(sizes) | {1}), slots
         self.config, self.embed = model.config, model.embed     # what decoding reads of a target
         cuda = model.embed.weight.device.type == "cuda"
         # a graph per (size, width), and every method of a bench shares them
@@ -130,8 +131,24 @@ class Compiled(nn.Module):
                                    options={"emulate_precision_casts": True,
                                             "triton.cudagraphs": cuda})
 
+    def widths(self) -> list:
+        """The widths its caches attend over as they fill: a graph each."""
+        return [w for w in (NARROWEST << i for i in range(32)) if w <= cache_width(self.slots)]
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile now every graph (size, width) its caches can need, so that no step of a run
+        stops to compile (minutes each the first time, seconds from torch's on-disk cache)."""
+        cache, device = self.new_cache(), self.embed.weight.device
+        for width in self.widths():
+            for size in self.sizes:
+                cache.length = width - size                 # a step that fills the width
+                self(torch.zeros(1, size, dtype=torch.long, device=device),
+                     torch.arange(width - size, width, device=device)[None], cache)
+
     def new_cache(self, batch: int = 1, slots: int | None = None) -> KVCache:
-        return self.model.new_cache(batch, cache_width(slots or NARROWEST))
+        # every cache as wide: a graph's input strides (and so the graph) depend on it too
+        return self.model.new_cache(batch, cache_width(max(slots or 0, self.slots)))
 
     def forward(self, tokens, positions, cache, mask=None, last_only=False):
         n, start = tokens.shape[1], cache.length

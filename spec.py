@@ -57,19 +57,24 @@ def bench_config(args) -> BenchConfig:
                        args.draft, args.plot)
 
 
-def bench_decoder(args, method: str, loaded: tuple, gen: GenConfig) -> tuple:
+def bench_decoder(args, method: str, loaded: tuple, gen: GenConfig, slots: int) -> tuple:
     """For bench.run_bench: (prompt_ids -> Result, MB the method adds to the target, its
-    configuration in words)."""
+    configuration in words). slots: the most a conversation needs (compiled: every graph it
+    needs is compiled before the timing starts)."""
     path, target, tokenizer = loaded
     fast = method.endswith(COMPILED)
     method = method.removesuffix(COMPILED)
     if method == "ar":
-        plain = Compiled(target) if fast else target
+        plain = Compiled(target, slots=slots) if fast else target
+        if fast:
+            plain.warm_up()
         return (lambda ids: generate_ar(plain, ids, gen, tokenizer.stop_ids)), 0.0, "plain"
     mc = method_of(args, method, compile=fast)
     proposer, info = build_proposer(mc, path, target, tokenizer,
                                     target.config.max_positions + room(mc) + 1)
-    verifier = Compiled(target, (proposer.max_nodes,)) if fast else target
+    verifier = Compiled(target, (proposer.max_nodes,), slots) if fast else target
+    if fast:
+        verifier.warm_up()
     return (lambda ids: generate_spec(verifier, proposer, ids, gen, tokenizer.stop_ids),
             info["draft_memory_mb"], describe(mc, info))
 
@@ -86,8 +91,8 @@ def run(args) -> dict:
     warm = GenConfig(8, gen.temperature, gen.top_p, gen.seed)
     if args.method == "ar":
         if args.compile:
-            target = Compiled(target)
-            compiling(target.sizes)
+            target = Compiled(target, slots=check_room(target, prompt_ids, gen))
+            compiling(target)
             generate_ar(target, prompt_ids, warm, tokenizer.stop_ids)
         result, info = generate_ar(target, prompt_ids, gen, tokenizer.stop_ids, stream), {}
     else:
@@ -95,9 +100,9 @@ def run(args) -> dict:
         slots = check_room(target, prompt_ids, gen, room(mc))
         proposer, info = build_proposer(mc, path, target, tokenizer, slots)
         show = tree_printer(tokenizer) if args.show_tree else None
-        verifier = Compiled(target, (proposer.max_nodes,)) if args.compile else target
+        verifier = Compiled(target, (proposer.max_nodes,), slots) if args.compile else target
         if args.compile:
-            compiling(verifier.sizes)
+            compiling(verifier)
             generate_spec(verifier, proposer, prompt_ids, warm, tokenizer.stop_ids)
         result = generate_spec(verifier, proposer, prompt_ids, gen, tokenizer.stop_ids, stream,
                                show)
@@ -115,9 +120,12 @@ def run(args) -> dict:
             "tokens_per_s": round(len(result.token_ids) / max(result.seconds, 1e-9), 2)} | info
 
 
-def compiling(sizes) -> None:
-    print(f"Compiling the decode step for {' and '.join(map(str, sizes))} tokens (minutes the "
-          f"first time; torch keeps the result for the next start)", file=sys.stderr)
+def compiling(fast: Compiled) -> None:
+    """--compile: compile every graph the run needs, before it starts."""
+    print(f"Compiling the decode step for {' and '.join(map(str, fast.sizes))} tokens over "
+          f"{', '.join(map(str, fast.widths()))} slots (minutes the first time; torch "
+          f"keeps the result for the next start)", file=sys.stderr)
+    fast.warm_up()
 
 
 def tree_printer(tokenizer):

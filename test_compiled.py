@@ -79,9 +79,8 @@ def test_compiled_sampling_equals_compiled_plain_sampling(target):
 def test_no_step_compiles_again_after_warm_up(target):
     from torch._dynamo.utils import counters
     gen = GenConfig(max_new_tokens=40)
-    fast = Compiled(target, (TREE,))
-    for prompt in (SHORT, LONG):                 # warm-up: every size and width once
-        generate_spec(fast, KnownTrees(generate_ar(fast, prompt, gen).token_ids, 0), prompt, gen)
+    fast = Compiled(target, (TREE,), len(LONG) + gen.max_new_tokens + TREE + 1)
+    fast.warm_up()                                               # every size and width once
     graphs = counters["stats"]["unique_graphs"]
     for seed, prompt in enumerate([SHORT, LONG, EDGE, LONG[:200]]):   # EDGE: new lengths
         plain = generate_ar(fast, prompt, gen).token_ids
