@@ -112,13 +112,13 @@ def step(model: Llama, tokens, positions, k, v, start, mask):
 
 class Compiled(nn.Module):
     """A target (model.Llama's interface) whose steps run compiled: one graph per step size in
-    `sizes` (1 and the padded tree sizes) and width attended (`cache_width` of the slots in
-    use); prefills run eager. Its caches are `slots` slots wide (a run's most), or wider where
+    `sizes` (1 for plain decoding, a method's tree size; a smaller call is padded to it) and
+    width attended (`cache_width` of the slots in use); prefills run eager. Its caches are `slots` slots wide (a run's most), or wider where
     asked (a graph more per width then)."""
 
     def __init__(self, model: Llama, sizes=(1,), slots: int = NARROWEST):
         super().__init__()
-        self.model, self.sizes, self.slots = model, sorted(set(sizes) | {1}), slots
+        self.model, self.sizes, self.slots = model, sorted(set(sizes)), slots
         self.config, self.embed = model.config, model.embed     # what decoding reads of a target
         cuda = model.embed.weight.device.type == "cuda"
         # a graph per (size, width), and every method of a bench shares them

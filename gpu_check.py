@@ -42,7 +42,7 @@ def tiny(name: str, dtype, device, layers: int | None) -> Llama:
 def exact(model: Llama, tokens: int, compiled: bool) -> dict:
     """Speculative decoding's text against plain decoding's, eager and compiled."""
     gen, out = GenConfig(max_new_tokens=tokens), {}
-    targets = [("eager", model)] + [("compiled", Compiled(model, (5,)))] * compiled
+    targets = [("eager", model)] + [("compiled", Compiled(model, (1, 5)))] * compiled
     for name, target in targets:
         plain = generate_ar(target, PROMPT, gen).token_ids
         spec = generate_spec(target, DraftModelProposer(model, 4, 256), PROMPT, gen)

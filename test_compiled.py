@@ -59,7 +59,7 @@ def target():
 
 def test_compiled_methods_write_compiled_plain_decodings_text(target):
     gen = GenConfig(max_new_tokens=40)
-    fast = Compiled(target, (TREE,))
+    fast = Compiled(target, (1, TREE))
     for prompt in (SHORT, EDGE, LONG):
         plain = generate_ar(fast, prompt, gen).token_ids
         for seed in range(2):
@@ -70,7 +70,7 @@ def test_compiled_methods_write_compiled_plain_decodings_text(target):
 
 def test_compiled_sampling_equals_compiled_plain_sampling(target):
     gen = GenConfig(max_new_tokens=30, temperature=1.0, seed=5)
-    fast = Compiled(target, (TREE,))
+    fast = Compiled(target, (1, TREE))
     plain = generate_ar(fast, SHORT, gen).token_ids
     spec = generate_spec(fast, KnownTrees(plain, 0), SHORT, gen)
     assert spec.token_ids == plain and sum(spec.accepted) >= 5
@@ -79,7 +79,7 @@ def test_compiled_sampling_equals_compiled_plain_sampling(target):
 def test_no_step_compiles_again_after_warm_up(target):
     from torch._dynamo.utils import counters
     gen = GenConfig(max_new_tokens=40)
-    fast = Compiled(target, (TREE,), len(LONG) + gen.max_new_tokens + TREE + 1)
+    fast = Compiled(target, (1, TREE), len(LONG) + gen.max_new_tokens + TREE + 1)
     fast.warm_up()                                               # every size and width once
     graphs = counters["stats"]["unique_graphs"]
     for seed, prompt in enumerate([SHORT, LONG, EDGE, LONG[:200]]):   # EDGE: new lengths
@@ -101,7 +101,7 @@ def test_a_compiled_tree_row_equals_its_path_run_one_token_at_a_time(dtype, weig
     # the tree's layout than in plain decoding's.
     target = quantize(tiny_model(3, hidden_size=128, num_heads=2, num_kv_heads=1,
                                  intermediate_size=128, num_layers=layers).to(dtype), *weights)
-    fast, rng = Compiled(target, (TREE,)), random.Random(4)
+    fast, rng = Compiled(target, (1, TREE)), random.Random(4)
     for n, start in ((TREE, 61), (4, 62), (TREE, 125), (5, 70)):
         tree = random_tree(rng, n)
         mask = ancestor_mask(tree.parents, tree.depths)
