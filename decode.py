@@ -1,5 +1,5 @@
 """The decoding loops: plain decoding, and speculative decoding's propose / verify / accept /
-commit. They need a target (model.Llama, or compiled.Compiled around one) and, for speculative
+commit. They need a target (model.Llama, or kernel.Compiled around one) and, for speculative
 decoding, a proposer (proposers.py); nothing here knows the command line.
 
 Dimensions: T tokens, N tree nodes, V vocab.
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attention import with_prefix
+from kernel import with_prefix
 from tree import ancestor_mask, positions, retrieve_indices
 from verification import accept_chain_sampled, accept_tree, next_tokens, target_probs, uniform
 

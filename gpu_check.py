@@ -18,7 +18,7 @@ import time
 import torch
 
 from bench import machine_name
-from compiled import Compiled
+from kernel import Compiled
 from costs import forward_costs
 from decode import GenConfig, generate_ar, generate_spec
 from methods import SHAPES, random_model

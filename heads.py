@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from attention import attention_mask, round_up
+from kernel import attention_mask, round_up
 from model import Block, KVCache, LlamaConfig, LoadError, Rope, cache_dtype
 
 

@@ -17,6 +17,7 @@ from checkpoint import load_model, read_json
 from costs import AUTO_MAX, Priced, Sizer
 from default_model import WEIGHTS, default_model_path
 from heads import best_paths, load_head, projection, read_head_config
+from kernel import check_rows
 from model import Llama, LlamaConfig, LoadError, RopeScaling
 from proposers import (DraftConfig, DraftModelProposer, EagleProposer, LookupEagleProposer,
                        MedusaProposer, PromptLookupProposer, SizeRule)
@@ -62,7 +63,7 @@ class MethodConfig:
     draft: str | None = None       # draft model folder; None: the distilled draft shipped
     heads: tuple = ()              # trained head folders; none: the heads shipped
     draft_int8: bool = True        # drafts run int8 where the kernel is fast (bf16, CPU)
-    compile: bool = False          # the target's steps compiled (compiled.py): fixed tree sizes
+    compile: bool = False          # the target's steps compiled (kernel.Compiled): fixed tree sizes
     verbose: bool = False          # print the prices --tree-size auto chose from
 
 
@@ -190,6 +191,16 @@ def build_proposer(mc: MethodConfig, path: str, target, tokenizer, slots: int) -
         proposer, sizer, info = build_head(mc, target, slots)
         return (Priced(proposer, sizer) if sizer else proposer), info
     raise ValueError(f"no proposer for method {mc.method!r}; methods: {', '.join(METHODS[1:])}")
+
+
+def exact_routes(target, rows: int, compiled: bool = False) -> list:
+    """kernel.check_rows for the run's largest step (rows) -> a line per kernel sent the safe
+    route. Compiled attention has no such route: there a ValueError says so in one line."""
+    lines = check_rows(target, rows)
+    if compiled and any(line.startswith("attention") for line in lines):
+        raise ValueError("--compile: attention's rows depend on the call on this machine (the "
+                         "check at start); run without --compile, which computes them alone")
+    return lines
 
 
 def build_ngram(mc: MethodConfig) -> tuple:

@@ -8,7 +8,7 @@ prefix plus an arbitrary boolean mask among themselves (one (T, prefix + T) mask
 each sees); plain decoding is causal, tree verification passes the tree's ancestor mask after
 the prefix. Afterwards `KVCache.keep` keeps a chosen
 subset of the new slots (the accepted path) and moves the length: that is the whole rollback.
-Attention itself, exact whatever shares a call, is in attention.py.
+Attention itself, exact whatever shares a call, is in kernel.py.
 """
 import math
 from dataclasses import dataclass
@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import attend, attention_mask, round_up, tail_slots, with_ones
+from kernel import attend, attention_mask, round_up, tail_slots, with_ones
 
 
 class LoadError(ValueError):
@@ -157,19 +157,26 @@ class Attention(nn.Module):
         # q, k and v fused into one matmul: at batch 1 every kernel launch costs.
         self.wqkv = nn.Linear(c.hidden_size, qkv, bias=c.attention_bias)
         self.wo = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.alone = False      # each query attended alone: kernel.check_rows's safe route
+
+    def project(self, x, cos, sin) -> tuple:
+        """x (B, T, C) -> q (B, T, H, D), k (B, K, T, D) rotated, v (B, K, T, D)."""
+        B, T, _ = x.shape
+        H, K = self.c.num_heads, self.c.num_kv_heads
+        qkv = self.wqkv(x).view(B, T, H + 2 * K, -1)                   # (B, T, H + 2K, D)
+        qk = apply_rope(qkv[:, :, :H + K], cos, sin)                    # q and k in one go
+        return qk[:, :, :H], qk[:, :, H:].transpose(1, 2), qkv[:, :, H + K:].transpose(1, 2)
 
     def forward(self, x, cos, sin, k_cache, v_cache, start, mask, tail=None):
         """x (B, T, C); k_cache (B, K, S, D), v_cache (B, K, S, D + 1) (see KVCache); mask (T, W)
         or (B, 1, T, W) bool: which of the first W cache slots each new token sees; tail: see
         `tail_slots`."""
         B, T, _ = x.shape
-        H, K = self.c.num_heads, self.c.num_kv_heads
-        qkv = self.wqkv(x).view(B, T, H + 2 * K, -1)                   # (B, T, H + 2K, D)
-        qk = apply_rope(qkv[:, :, :H + K], cos, sin)                    # q and k in one go
-        k_cache[:, :, start:start + T] = qk[:, :, H:].transpose(1, 2)  # (B, K, T, D)
-        v_cache[:, :, start:start + T, :-1] = qkv[:, :, H + K:].transpose(1, 2)   # ones stay
+        q, k, v = self.project(x, cos, sin)
+        k_cache[:, :, start:start + T] = k
+        v_cache[:, :, start:start + T, :-1] = v                          # the ones stay
         W = mask.shape[-1]
-        y = attend(qk[:, :, :H], k_cache[:, :, :W], v_cache[:, :, :W], mask, tail)  # (B, T, H, D)
+        y = attend(q, k_cache[:, :, :W], v_cache[:, :, :W], mask, tail, self.alone)  # (B,T,H,D)
         return self.wo(y.to(x.dtype).reshape(B, T, -1))                 # (B, T, C)
 
 
@@ -220,7 +227,7 @@ class Llama(nn.Module):
 
         The T tokens are written to cache slots [cache.length, cache.length + T) and the length
         moves past them. `mask` (T, length + T) bool, or (B, T, length + T) for a batch, says which
-        slots each new token sees (attention.attention_mask; a tree passes its ancestor mask
+        slots each new token sees (kernel.attention_mask; a tree passes its ancestor mask
         `with_prefix`); None: causal. Positions are absolute, so a tree node's position is
         prefix length + depth, not its slot. project=False skips the vocabulary projection
         (logits None), for a caller that projects onto a reduced vocabulary itself."""

@@ -4,10 +4,11 @@ Dimensions: M rows (batch x tokens), I input features, O output features, G grou
 
 A model is built with plain nn.Linear layers; `quantize` replaces them by modules that hold the
 same matrix in fewer bits and call torch's weight-only kernels. The model's forward has no
-branch for them. Every kernel used here computes a row the same way whatever else shares the
-call (tested), so a token verified inside a tree gets the bits plain decoding gives it.
+branch for them. Each sends its rows to torch's kernels in calls of a fixed size
+(`kernel.RowCalls`), so that a row gets the same bits whatever else shares the step: a token
+verified inside a tree gets the bits plain decoding gives it (kernel.py says why and how).
 
-  float  the checkpoint's own matrices: nn.Linear (in float32 on CPU: `Float32Linear`)
+  float  the checkpoint's own matrices (on CPU: `FloatLinear`, rows in calls of a fixed size)
   int8   per output row: w = s * q, q in -127..127          (torch._weight_int8pack_mm)
   int4   per group of 32 inputs: w = d * q + m, q in 0..15  (torch._weight_int4pack_mm_for_cpu)
 
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from attention import whole_groups
+from kernel import RowCalls
 from checkpoint import config_from_hf, load_model, read_json, save_tensors
 from model import Llama
 
@@ -39,8 +40,10 @@ class QuantizeError(ValueError):
     """A layer that the chosen form cannot hold; the message names it and the way out."""
 
 
-class Int8Linear(nn.Module):
-    """y = x W^T + b with W held as int8 rows and one scale per row."""
+class Int8Linear(RowCalls):
+    """y = x W^T + b with W held as int8 rows and one scale per row. All rows in one call: torch's
+    kernel computes tiles of 4 rows, each row's sums with the same instructions in the same
+    order whatever its tile holds (checked at start: kernel.check_rows)."""
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias=None):
         super().__init__()
@@ -62,10 +65,11 @@ class Int8Linear(nn.Module):
         return cls(torch.empty(O, I, dtype=torch.int8),
                    torch.empty(O, dtype=linear.weight.dtype), linear.bias)
 
-    def forward(self, x):
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.q,
-                                               self.scales)                 # (M, O)
-        y = y.view(*x.shape[:-1], -1)
+    def sizes(self) -> tuple:
+        return self.q.shape[1], self.q.shape[0], self.scales.dtype
+
+    def kernel(self, x):
+        y = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)     # (M, O)
         return y if self.bias is None else y + self.bias
 
 
@@ -83,9 +87,11 @@ def int4_blocks(w: torch.Tensor, group: int = GROUP) -> tuple:
     return d.squeeze(-1), m.squeeze(-1), q.reshape(O, I)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(RowCalls):
     """y = x W^T + b with W held as 4-bit groups: torch's CPU kernel, fast with bfloat16
-    activations (float16 and float32 take its scalar path)."""
+    activations (float16 and float32 take its scalar path). All rows in one call: the kernel
+    computes tiles of 4 rows by 64 outputs, each row's sums group by group with the same
+    instructions in the same order whatever its tile holds (checked at start)."""
 
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias=None,
                  group: int = GROUP):
@@ -111,28 +117,40 @@ class Int4Linear(nn.Module):
         return cls(torch.empty(O, I // 2, dtype=torch.uint8),
                    torch.empty(I // group, O, 2, dtype=linear.weight.dtype), linear.bias, group)
 
-    def forward(self, x):
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.reshape(-1, x.shape[-1]), self.packed, self.group, self.scales_zeros)
-        y = y.view(*x.shape[:-1], -1)                                       # (..., O)
+    def sizes(self) -> tuple:
+        return self.packed.shape[1] * 2, self.packed.shape[0], self.scales_zeros.dtype
+
+    def kernel(self, x):
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group,
+                                                       self.scales_zeros)   # (M, O)
         return y if self.bias is None else y + self.bias
 
 
-class Float32Linear(nn.Linear):
-    """nn.Linear for float32 on CPU, rows padded to whole groups of 4 (`attention.whole_groups`,
-    as attention's own float32 matmuls): the float32 matrix kernel (MKL) computes a remainder
-    of 1-3 rows another way, which rounds differently (tested)."""
-
-    def forward(self, x):
-        rows = x.reshape(-1, x.shape[-1])                                   # (M, I)
-        y = F.linear(whole_groups(rows), self.weight, self.bias)            # (M', O)
-        return y[:rows.shape[0]].view(*x.shape[:-1], -1)
+# Rows a library call of float weights takes on CPU (kernel.in_calls): float32 one row a call
+# (MKL picks its kernel, and its order of summation, by the row count and the CPU; a row alone
+# is the very call plain decoding makes, and MKL's fastest for one row); 16-bit floats blocks of
+# 16 (oneDNN: a block of 16 costs what one row costs; its AMX kernels take larger calls).
+FLOAT_ROWS = {torch.float32: 1, torch.bfloat16: 16, torch.float16: 16}
 
 
-def as_float32(linear: nn.Linear) -> Float32Linear:
-    layer = Float32Linear(linear.in_features, linear.out_features, linear.bias is not None,
-                          device="meta")
-    layer.weight, layer.bias = linear.weight, linear.bias
+class FloatLinear(RowCalls, nn.Linear):
+    """nn.Linear on CPU, its rows in calls of FLOAT_ROWS[dtype] rows."""
+
+    def sizes(self) -> tuple:
+        return self.in_features, self.out_features, self.weight.dtype
+
+    def kernel(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+def as_float(linear: nn.Linear) -> nn.Module:
+    """linear as a FloatLinear sharing its tensors, where FLOAT_ROWS names its dtype on CPU."""
+    w = linear.weight
+    if w.device.type not in ("cpu", "meta") or w.dtype not in FLOAT_ROWS:
+        return linear
+    layer = FloatLinear(linear.in_features, linear.out_features, linear.bias is not None,
+                        device="meta")
+    layer.weight, layer.bias, layer.rows = linear.weight, linear.bias, FLOAT_ROWS[w.dtype]
     return layer
 
 
@@ -140,7 +158,7 @@ def convert(linear: nn.Linear, form: str, name: str) -> nn.Module:
     """One layer in the chosen form; a QuantizeError where the form cannot hold it."""
     w = linear.weight
     if form == "float":
-        return as_float32(linear) if (w.dtype, w.device.type) == (torch.float32, "cpu") else linear
+        return as_float(linear)
     if w.device.type not in ("cpu", "meta"):
         raise QuantizeError(f"--weights {form}: layer {name} is on {w.device}; the weight-only "
                             f"kernels used here are torch's CPU ones: use --weights float")

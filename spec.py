@@ -17,9 +17,9 @@ from bench import COMPILED, BenchConfig, run_bench, verify_curve
 from checkpoint import write_json
 from decode import GenConfig, acceptance_by_position, check_room, generate_ar, generate_spec
 from methods import (HEAD_KIND, METHODS, RANDOM, SHAPES, TREE_DEFAULTS, MethodConfig,
-                     TargetConfig, build_proposer, check_heads, describe, load_target,
+                     TargetConfig, build_proposer, check_heads, describe, exact_routes, load_target,
                      method_config, parse_flags, room)
-from compiled import Compiled, check_compiler
+from kernel import Compiled, check_compiler
 from tree import render_tree
 
 # long enough an answer to watch drafts arrive in bursts
@@ -72,11 +72,13 @@ def bench_decoder(args, method: str, loaded: tuple, gen: GenConfig, slots: int) 
     mc = method_of(args, method, compile=fast)
     proposer, info = build_proposer(mc, path, target, tokenizer,
                                     target.config.max_positions + room(mc) + 1)
+    safe = exact_routes(target, proposer.max_nodes, fast)
     verifier = Compiled(target, (proposer.max_nodes,), slots) if fast else target
     if fast:
         verifier.warm_up()
+    described = describe(mc, info) + (f"; rows alone: {len(safe)} kernels" if safe else "")
     return (lambda ids: generate_spec(verifier, proposer, ids, gen, tokenizer.stop_ids),
-            info["draft_memory_mb"], describe(mc, info))
+            info["draft_memory_mb"], described)
 
 
 # ---------------------------------------------------------------- one run
@@ -99,6 +101,9 @@ def run(args) -> dict:
         mc = method_of(args, args.method)
         slots = check_room(target, prompt_ids, gen, room(mc))
         proposer, info = build_proposer(mc, path, target, tokenizer, slots)
+        info["safe_routes"] = exact_routes(target, proposer.max_nodes, args.compile)
+        for line in info["safe_routes"] if args.verbose else ():
+            print(f"exact: {line}", file=sys.stderr)
         show = tree_printer(tokenizer) if args.show_tree else None
         verifier = Compiled(target, (proposer.max_nodes,), slots) if args.compile else target
         if args.compile:
@@ -196,7 +201,8 @@ def decoding_flags(p) -> None:
                    help="after each step, draw the draft tree (tokens, cumulative probability, "
                         "* on the accepted path, -> the target's own next token) on stderr")
     p.add_argument("--verbose", action="store_true",
-                   help="also print the internal choices on stderr: with --tree-size auto, the "
+                   help="also print the internal choices on stderr: the kernels the check at "
+                        "start sent a safe route (rows alone) and why; with --tree-size auto, the "
                         "price of each tree size it chose from")
     p.add_argument("--show-drafts", action=argparse.BooleanOptionalAction,
                    help="mark the streamed tokens that came from accepted drafts (in color, "
@@ -367,7 +373,7 @@ def check_together(p, args) -> None:
                                  ("--tree-size", args.tree_size, list(HEAD_KIND)),
                                  ("--ngram-max", args.ngram_max, ["ngram", "eagle2+ngram"]),
                                  ("--draft", args.draft, ["draft"]),
-                                 ("--verbose", args.verbose or None, list(HEAD_KIND))):
+                                 ("--verbose", args.verbose or None, METHODS[1:])):
         if value is not None and method not in methods:     # else silently without effect
             p.error(f"{flag} does not apply to --method {method}; it shapes "
                     f"{', '.join(methods)}")

@@ -1,4 +1,4 @@
-"""--compile (compiled.py): exactness inside the compiled configuration, the fixed-shape step's
+"""--compile (kernel.Compiled): exactness inside the compiled configuration, the fixed-shape step's
 rows, no recompiles, and a machine that cannot compile. Compiling costs seconds a graph even for
 a tiny model, so the compiled tests share one target and its graphs (sizes 1 and TREE, widths
 256 and 512)."""
@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from attention import with_prefix
-from compiled import Compiled, pad_inputs, step
+from kernel import with_prefix
+from kernel import Compiled, pad_inputs, step
 from decode import GenConfig, generate_ar, generate_spec
 from quantize import quantize
 from test_spec import random_tree, tiny_model
@@ -96,7 +96,7 @@ def test_a_compiled_tree_row_equals_its_path_run_one_token_at_a_time(dtype, weig
     # computed alone, in plain decoding's layout (the compiled graphs of 1 and TREE tokens).
     # float32: bfloat16 activations would round most of a difference in attention away.
     # bfloat16 with 4 layers: from a few layers on inductor fuses the two graphs differently,
-    # and a fused kernel skipped a bfloat16 rounding (compiled.py's emulate_precision_casts).
+    # and a fused kernel skipped a bfloat16 rounding (kernel.Compiled's emulate_precision_casts).
     # Trees across a block boundary: a node's ancestors fall into other blocks of 64 slots in
     # the tree's layout than in plain decoding's.
     target = quantize(tiny_model(3, hidden_size=128, num_heads=2, num_kv_heads=1,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import verification
-from attention import with_prefix
+from kernel import with_prefix
 from verification import accept_chain_sampled, accept_tree, sample
 from checkpoint import load_model
 from model import Llama, LlamaConfig, LoadError

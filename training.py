@@ -16,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from attention import attention_mask, with_ones
+from kernel import attention_mask, with_ones
 from checkpoint import save_tensors
 from decode import GenConfig, generate_spec
 from features import Batch, batches, make_batch
@@ -71,7 +71,7 @@ def eagle_unroll(head, embed, b: Batch, steps: int) -> list:
 
 def widen(x: torch.Tensor, L: int, ones: bool = False) -> torch.Tensor:
     """One layer's (B, K, S, E) -> (B, K, S + L, E), the new slots zero; ones: values, whose
-    new slots get the column of ones a cache holds (attention.with_ones)."""
+    new slots get the column of ones a cache holds (kernel.with_ones)."""
     new = x.new_zeros(*x.shape[:2], L, x.shape[3] - ones)
     return torch.cat([x, with_ones(new) if ones else new], dim=2)
 

@@ -189,7 +189,7 @@ def path_first(tree: Tree, node: int) -> Tree:
     after in their order (so the nodes are no longer in depth order). Not needed for correctness,
     a saving of the exact attention: the verify pass lays nodes out in this order, and a node
     whose ancestors are exactly the nodes before it reads them in place, where the others' are
-    gathered for them (attention.tail_slots)."""
+    gathered for them (kernel.tail_slots)."""
     path = []
     while node > 0:
         path.append(node)

@@ -1,0 +1,464 @@
+"""The kernels: which cache slots each new token sees, attention over them, the linear layers'
+calls, and the optional compiled step, each computing a row the same bits whatever else shares
+the call (row invariance), and the check at start that this machine's libraries keep it.
+
+Why exactness needs it: floating-point sums round differently in different orders, and the
+libraries torch calls (MKL, oneDNN) choose their order by the shapes they are given, and by the
+CPU (AVX2, AVX-512, AMX). Plain decoding computes a token in a call of one row; tree
+verification computes the same token in a call of several. For speculative decoding to write
+plain decoding's very text, both must give the row the same bits. How each kernel keeps it:
+  - attention (`attend`): sums in an order fixed by the token's own visible slots (blocks of
+    SLOT_BLOCK), never by the call; a prefill (more than PREFILL_QUERIES queries) goes to SDPA:
+    its rows no other call computes;
+  - linear layers (quantize.py's forms) send the library calls of a fixed number of rows
+    (`in_calls`): one row a call for float32 (a row alone is the very call plain decoding
+    makes, and MKL's fastest), blocks of 16 for bf16 and float16 float weights (oneDNN), all
+    rows at once for torch's int4 and int8 kernels, whose code computes every row with the same
+    instructions in the same order (4-row tiles, one FMA chain a row and column);
+  - the compiled step (`step`): the same layers, attention with its gather made static.
+What is left to a library (that a row's bits within a call do not depend on the rows beside
+it) is checked at start on the machine that runs (`check_rows`): where a kernel fails, the run
+computes that kernel's rows alone, which is exact by construction, and says so.
+
+Dimensions: B batch, T new tokens (queries), H query heads, K key/value heads, G = H / K, D head
+dim, W cache slots read (whole blocks of SLOT_BLOCK), M rows of a linear call, I its inputs.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SLOT_BLOCK = 64          # caches hold, and attention reads, whole blocks of this many slots
+ROW_GROUP = 4            # rows a CPU float matmul computes together (see whole_groups)
+PREFILL_QUERIES = 128    # calls of more queries are prefills (see attend_prefill)
+TAIL_BLOCKS = 4          # most blocks a call gathers per query (a tree: 73 nodes fit in 3)
+
+
+def round_up(n: int, block: int = SLOT_BLOCK) -> int:
+    return -(-n // block) * block
+
+
+def with_ones(values: torch.Tensor) -> torch.Tensor:
+    """(..., S, D) values -> (..., S, D + 1), a last column of ones beside them, as caches hold
+    values for `attend`."""
+    return torch.cat([values, values.new_ones(*values.shape[:-1], 1)], dim=-1)
+
+
+def attention_mask(start: int, T: int, mask, width: int, device):
+    """(T, width) or (B, 1, T, width) bool: which of the first `width` cache slots each of the T
+    new tokens (written at slots start..start + T - 1) sees.
+
+    mask None: causal, each new token seeing the prefix [0, start) and the new tokens up to
+    itself; else (T, start + T) or (B, T, start + T) bool as the caller built it (a tree's
+    ancestors with `with_prefix`, a draft's tree in its own cache, a batch with padding).
+    Slots from start + T up to width are seen by no one: attention reads whole blocks of slots
+    (SLOT_BLOCK), whatever stale keys they hold."""
+    if mask is None:
+        mask = torch.ones(T, start + T, dtype=torch.bool, device=device).tril(start)
+    if tuple(mask.shape[-2:]) != (T, start + T) or mask.dim() > 3:
+        raise ValueError(f"a mask of shape {tuple(mask.shape)} for {T} new tokens after {start}: "
+                         f"expected ({T}, {start + T}) or (B, {T}, {start + T})")
+    mask = mask.to(device)
+    unseen = mask.new_zeros(*mask.shape[:-1], width - start - T)
+    mask = torch.cat([mask, unseen], dim=-1)
+    return mask if mask.dim() == 2 else mask[:, None]      # (B, 1, T, W): broadcast over heads
+
+
+def with_prefix(mask: torch.Tensor, start: int) -> torch.Tensor:
+    """(T, T) bool among new tokens -> (T, start + T): every new token also sees the committed
+    prefix [0, start) (its tokens are every tree node's ancestors)."""
+    prefix = torch.ones(mask.shape[0], start, dtype=torch.bool, device=mask.device)
+    return torch.cat([prefix, mask], dim=1)
+
+
+def attend_reference(q, keys, values, mask):
+    """What `attend` computes, written directly: softmax(q k^T / sqrt(D)) v over the slots each
+    query sees, the G = H / K query heads of a KV head sharing it. Shapes as `attend`, but
+    values (B, K, W, D), without the column of ones."""
+    G = q.shape[2] // keys.shape[1]
+    k, v = keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1)    # (B, H, W, D)
+    scores = q.transpose(1, 2) @ k.transpose(-1, -2) * q.shape[-1] ** -0.5  # (B, H, T, W)
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (weights @ v).transpose(1, 2)                                # (B, T, H, D)
+
+
+def attend(q, keys, values, mask, tail=None, alone=False):
+    """q (B, T, H, D), keys (B, K, W, D), values (B, K, W, D + 1) with a last column of ones (as
+    KVCache holds them), mask (T, W) or (B, 1, T, W) -> (B, T, H, D). alone: every query of a
+    (T, W) mask computed alone (`attend_alone`), the safe route `check_rows` may choose.
+
+    `attend_reference`'s softmax attention, computed in an order that gives a query the bits
+    plain decoding gives it, whatever else shares the call. A query's visible slots, in slot
+    order, are the sequence plain decoding attends over (its "plain layout"); the weighted sum
+    over them is taken in blocks of SLOT_BLOCK positions of that layout, one small matmul a
+    block, and the blocks are added in order.
+    Blocks of slots that every query sees in slot order are shared; the rest of a tree node's
+    sequence (its ancestors, scattered among other nodes' slots) is gathered per node: `tail`
+    (see `tail_slots`). The max is exact in any order, and exp runs on whole rows. The query
+    heads of one KV head are stacked into one matrix (grouped-query attention)."""
+    B, T, H, D = q.shape
+    K, W = keys.shape[1], keys.shape[2]
+    G = H // K
+    if T > PREFILL_QUERIES and tail is None:
+        return attend_prefill(q, keys, values, mask)
+    if alone and T > 1 and mask.dim() == 2:
+        return attend_alone(q, keys, values, mask)
+    # the G query heads of each KV head stacked: (B, H, T, D) -> (B, K, G * T, D)
+    q = (q * D ** -0.5).to(keys.dtype).transpose(1, 2).reshape(B, K, G * T, D)
+    scores = (whole_groups(q) @ keys.transpose(-1, -2))[:, :, :G * T]  # (B, K, GT, W)
+    scores = torch.where(mask.view(-1, 1, 1, T, W), scores.view(B, K, G, T, W), float("-inf"))
+    weights = (scores - scores.amax(-1, keepdim=True)).exp()           # (B, K, G, T, W)
+    if W % SLOT_BLOCK:      # a cache of another width (training): zero slots of weight 0, whose
+        weights = F.pad(weights, (0, -W % SLOT_BLOCK))   # missing ones therefore count nothing
+        values = F.pad(values, (0, 0, 0, -W % SLOT_BLOCK))
+        W = weights.shape[-1]
+    # the column of ones beside the values: each block's matmul also sums its weights
+    parts = block_sums(weights.reshape(B, K, G * T, W), values)        # (B, K, n, GT, D + 1)
+    if tail is not None:                    # the queries whose slots are not their layout
+        shared, rows, slots, seen = tail                               # (Q,), (Q, R), (Q, R)
+        Q, first = rows.shape[0], shared // SLOT_BLOCK
+        w = weights[:, :, :, rows].gather(-1, slots.expand(B, K, G, Q, -1)) * seen   # (B,K,G,Q,R)
+        v = values.index_select(2, slots.flatten()).view(B, K, Q, -1, D + 1)    # (B, K, Q, R, D+1)
+        p = block_sums(w.transpose(2, 3), v)                           # (B, K, Q, m, G, D + 1)
+        p = p.permute(0, 1, 3, 4, 2, 5).reshape(B, K, -1, G * Q, D + 1)  # (B, K, m, GQ, D + 1)
+        p = F.pad(p, (0, 0, 0, 0, 0, parts.shape[2] - first - p.shape[2]))   # zero blocks after
+        at = (torch.arange(G, device=rows.device)[:, None] * T + rows).flatten()  # their rows
+        parts[:, :, first:] = parts[:, :, first:].index_copy(3, at, p)
+    # the blocks in order: cumsum adds them one after the other, whatever their number
+    total = parts.cumsum(2)[:, :, -1]                                   # (B, K, GT, D + 1)
+    y = total[..., :D] / total[..., D:]
+    return y.view(B, H, T, D).transpose(1, 2)                           # (B, T, H, D)
+
+
+def attend_prefill(q, keys, values, mask):
+    """attend for a call of more than PREFILL_QUERIES queries: a prefill (a prompt, or a whole
+    conversation), whose rows no other call computes (verification never has that many), so
+    the fastest kernel serves: SDPA, which `attend`'s per-block sums would take several times
+    as long as on a long prompt. Same shapes in and out as `attend`."""
+    T = q.shape[1]
+    q = q.transpose(1, 2).to(keys.dtype)                                # (B, H, T, D)
+    values = values[..., :-1].contiguous()          # as SDPA's kernels expect: rows D apart
+    causal = torch.ones(T, T, dtype=torch.bool, device=mask.device).tril()
+    if mask.dim() == 2 and torch.equal(mask[:, :T], causal) and not mask[:, T:].any():
+        # a prompt from slot 0: SDPA skips the masked half without a mask
+        y = F.scaled_dot_product_attention(q, keys[:, :, :T], values[:, :, :T], is_causal=True,
+                                           enable_gqa=True)
+    else:
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    return y.transpose(1, 2)                                            # (B, T, H, D)
+
+
+def attend_alone(q, keys, values, mask):
+    """attend, each query computed alone over its visible slots gathered in slot order (its
+    plain layout), in a call of the shape plain decoding makes for it: exact by construction,
+    one call a query. Shapes as `attend`, mask (T, W)."""
+    rows = []
+    for t in range(q.shape[1]):
+        slots = mask[t].nonzero()[:, 0]                                 # (L,) in slot order
+        L = slots.shape[0]
+        W = round_up(L)
+        k = F.pad(keys[:, :, slots], (0, 0, 0, W - L))                  # (B, K, W, D)
+        v = F.pad(values[:, :, slots], (0, 0, 0, W - L))                # (B, K, W, D + 1)
+        seen = torch.arange(W, device=mask.device)[None] < L            # (1, W)
+        rows.append(attend(q[:, t:t + 1], k, v, seen))                  # (B, 1, H, D)
+    return torch.cat(rows, 1)                                           # (B, T, H, D)
+
+
+def block_sums(w, v) -> torch.Tensor:
+    """w (..., M, L) weights, v (..., L, E) values, L a multiple of SLOT_BLOCK -> the weighted
+    sums of each block of SLOT_BLOCK slots, (..., L / SLOT_BLOCK, M, E)."""
+    M = w.shape[-2]
+    blocks = whole_groups(w).unflatten(-1, (-1, SLOT_BLOCK))            # (..., M', n, SLOT_BLOCK)
+    parts = blocks.transpose(-3, -2) @ v.unflatten(-2, (-1, SLOT_BLOCK))  # (..., n, M', E)
+    return parts[..., :M, :]
+
+
+def whole_groups(x: torch.Tensor) -> torch.Tensor:
+    """(..., M, N) -> (..., M', N): M rounded up to whole groups of ROW_GROUP rows, the new rows
+    zero. CPU float matmuls (MKL) compute rows in groups of 4 and a remainder of 1-3 rows
+    another way, which rounds differently (tested)."""
+    extra = -x.shape[-2] % ROW_GROUP
+    return x if extra == 0 else F.pad(x, (0, 0, 0, extra))
+
+
+def tail_slots(mask: torch.Tensor):
+    """What `attend` gathers for a (T, W) mask: None where every query's visible slots are the
+    first ones (plain decoding, chains, prefill: the cache is their plain layout), or where the
+    gathered part would span more than TAIL_BLOCKS blocks (training's unrolled masks, which no
+    other call must reproduce); else (shared, rows, slots, seen): the first `shared` slots
+    (whole blocks) every query sees in slot order; rows (Q,) the queries whose visible slots
+    are not the first ones (a tree's nodes off its first path); slots (Q, R) the slot at each
+    later position of their plain layouts, seen (Q, R) whether that position exists."""
+    T, W = mask.shape
+    count = mask.sum(1)                                                 # (T,) visible slots
+    rows = (mask != (torch.arange(W, device=mask.device) < count[:, None])).any(1).nonzero()[:, 0]
+    if rows.numel() == 0:
+        return None
+    shared = int(mask.all(0).long().cumprod(0).sum()) // SLOT_BLOCK * SLOT_BLOCK
+    R = round_up(int(count[rows].max())) - shared
+    if R > TAIL_BLOCKS * SLOT_BLOCK:
+        return None
+    order = torch.sort((~mask[rows]).to(torch.uint8), dim=1, stable=True).indices  # seen first
+    seen = torch.arange(shared, shared + R, device=mask.device) < count[rows, None]
+    return shared, rows, order[:, shared:shared + R], seen
+
+
+# ---------------------------------------------------------------- linear layers' calls, the check
+
+class RowCalls(nn.Module):
+    """A linear layer (quantize.py's forms) whose rows go to the library in calls of `rows` rows
+    (`in_calls`; 0: all rows in one call). `check_rows` may set rows to 1."""
+    rows = 0
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """(M, I) -> (M, O): one library call."""
+        raise NotImplementedError
+
+    def sizes(self) -> tuple:
+        """(I, O, activations' dtype)."""
+        raise NotImplementedError
+
+    def forward(self, x):
+        y = in_calls(self.kernel, x.reshape(-1, x.shape[-1]), self.rows)   # (M, O)
+        return y.view(*x.shape[:-1], -1)
+
+
+def in_calls(f, x: torch.Tensor, rows: int) -> torch.Tensor:
+    """f over x (M, I) in calls of exactly `rows` rows, zero rows padding the last (0: one call).
+    Every call the library sees has one shape whatever the step's row count, so it takes one
+    kernel for every row; what is left to it (that a row's bits do not depend on the rows beside
+    it in its call) `check_rows` checks. One row a call leaves it nothing: exact by construction."""
+    M = x.shape[0]
+    if rows == 0 or M == rows:
+        return f(x)
+    padded = F.pad(x, (0, 0, 0, -M % rows))                             # (M', I)
+    return torch.cat([f(part) for part in padded.split(rows)])[:M]      # (M, O)
+
+
+@torch.no_grad()
+def check_rows(model, rows: int, prefix: int = 200) -> list:
+    """The check at start, on the machine that runs: each kernel the target uses (a linear layer
+    of each form and shape, attention) computes a random block of `rows` rows (the run's largest
+    step) together and a few of them alone. A kernel whose rows differ computes every row alone
+    from then on (rows = 1; attention's `alone`): exact by construction, slower for trees.
+    -> one line per kernel rerouted, what and why (none: every kernel keeps rows here)."""
+    if rows < 2:
+        return []                       # one row a step: plain decoding, nothing to compare
+    g = torch.Generator().manual_seed(0)
+    picks = sorted({0, 1, rows // 2, rows - 1})
+    groups = {}
+    for m in model.modules():
+        if isinstance(m, RowCalls) and m.rows != 1:
+            groups.setdefault((type(m).__name__, m.rows) + m.sizes(), []).append(m)
+    notes = []
+    for (kind, calls, I, O, dtype), layers in groups.items():
+        x = torch.randn(rows, I, generator=g).to(dtype)
+        together = layers[0](x)                                         # (rows, O)
+        if not all(torch.equal(layers[0](x[r:r + 1]), together[r:r + 1]) for r in picks):
+            for m in layers:
+                m.rows = 1
+            notes.append(f"{kind} {I}x{O} in {str(dtype).removeprefix('torch.')}: a row among "
+                         f"{rows} differs from the row alone here; every row computed alone")
+    c, cache = model.config, model.new_cache(1, 1)        # for its dtype
+    if attention_differs(c.num_heads, c.num_kv_heads, c.head_dim, cache.k.dtype, rows, prefix, g):
+        for layer in model.layers:
+            layer.attn.alone = True
+        notes.append(f"attention in {str(cache.k.dtype).removeprefix('torch.')}: a tree node "
+                     f"among {rows} differs from its path alone here; every query alone")
+    return notes
+
+
+def attention_differs(H, K, D, dtype, n, prefix, g) -> bool:
+    """Whether `attend` gives some node of a random n-node tree after `prefix` slots other bits
+    than the node alone over its path (`attend_alone`)."""
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype)   # noqa: E731
+    ancestors = torch.eye(n, dtype=torch.bool)                          # (n, n)
+    for i in range(1, n):                               # a random parent among earlier nodes
+        ancestors[i] |= ancestors[int(torch.randint(0, i, (), generator=g))]
+    W = round_up(prefix + n)
+    seen = torch.cat([torch.ones(n, prefix, dtype=torch.bool), ancestors,
+                      torch.zeros(n, W - prefix - n, dtype=torch.bool)], 1)    # (n, W)
+    q, keys, values = 3 * rand(1, n, H, D), rand(1, K, W, D), with_ones(rand(1, K, W, D))
+    together = attend(q, keys, values, seen, tail_slots(seen))          # (1, n, H, D)
+    picks = torch.tensor(sorted({0, 1, n // 2, n - 1}))
+    alone = attend_alone(q[:, picks], keys, values, seen[picks])
+    return not torch.equal(alone, together[:, picks])
+
+
+# ---------------------------------------------------------------- the compiled step (--compile)
+# At batch 1 on a CPU most of an eager step is PyTorch's cost per small operation, not reading
+# weights. torch.compile removes it when it sees the whole step as one graph (fullgraph=True,
+# gpt-fast's design) whose shapes never change, so nothing recompiles: a fixed number of new
+# tokens (1, or a tree padded to one size: `pad_inputs`), a fixed cache width (the first
+# `cache_width(slots in use)` slots, a power of two: a graph each), the cache length a tensor.
+# Prefills stay eager. `attend_fixed` is `attend` with its data-dependent gather made static:
+# every query gathers a fixed window of TAIL_BLOCKS blocks of its plain layout, the blocks before
+# it shared, all added in one fixed order. Dimensions: T padded tokens, S slots, R window slots.
+
+WINDOW = TAIL_BLOCKS * SLOT_BLOCK        # R: slots a query gathers in its plain layout
+NARROWEST = 256                          # the smallest cache width attended
+
+
+def cache_width(slots: int) -> int:
+    """Slots rounded up to a power of two (at least NARROWEST): a few widths, a few graphs."""
+    return max(NARROWEST, 1 << (slots - 1).bit_length())
+
+
+def window(seen: torch.Tensor, start: torch.Tensor) -> tuple:
+    """seen (T, S) bool -> the window every query gathers: first () the first block it covers
+    (the block holding slot `start`), slots (T, R) the slots at positions first * SLOT_BLOCK +
+    0..R-1 of each query's plain layout (its visible slots in slot order), valid (T, R) whether
+    that position exists. Slots before the window are the committed prefix, seen by every query
+    in slot order: their blocks are shared."""
+    T, S = seen.shape
+    first = start // SLOT_BLOCK
+    span = first * SLOT_BLOCK + torch.arange(WINDOW, device=seen.device)       # (R,)
+    inside = span < S
+    span = span.clamp(max=S - 1)
+    visible = seen.gather(1, span.expand(T, WINDOW)) & inside                   # (T, R)
+    order = torch.sort((~visible).to(torch.uint8), dim=1, stable=True).indices  # seen first
+    return first, span[order], visible.gather(1, order)
+
+
+def attend_fixed(q, keys, values, seen, win):
+    """attend for fixed shapes: q (B, T, H, D), keys (B, K, S, D), values (B, K, S,
+    D + 1) with their column of ones, seen (T, S) bool, win from `window` -> (B, T, H, D).
+
+    A query's result: the blocks of SLOT_BLOCK positions of its plain layout, each one small
+    matmul, added in order; the blocks before the window come from the shared slot-order
+    matmul (the same numbers: there the plain layout is the slot order), the window's from its
+    gathered slots, the shared blocks from the window on counted as zero."""
+    B, T, H, D = q.shape
+    K, S = keys.shape[1], keys.shape[2]
+    G, E = H // K, D + 1
+    first, slots, valid = win
+    q = (q * D ** -0.5).to(keys.dtype).transpose(1, 2).reshape(B, K, G * T, D)
+    scores = (whole_groups(q) @ keys.transpose(-1, -2))[:, :, :G * T]  # (B, K, GT, S)
+    scores = torch.where(seen, scores.view(B, K, G, T, S), float("-inf"))
+    weights = (scores - scores.amax(-1, keepdim=True)).exp()           # (B, K, G, T, S)
+    shared = block_sums(weights.reshape(B, K, G * T, S), values)       # (B, K, n, GT, E)
+    before = torch.arange(S // SLOT_BLOCK, device=q.device) < first   # (n,)
+    shared = torch.where(before[:, None, None], shared, 0.0)
+    w = weights.gather(-1, slots.expand(B, K, G, T, WINDOW)) * valid   # (B, K, G, T, R)
+    v = values.index_select(2, slots.flatten()).view(B, K, T, WINDOW, E)
+    tail = block_sums(w.transpose(2, 3), v)                            # (B, K, T, m, G, E)
+    tail = tail.permute(0, 1, 3, 4, 2, 5).reshape(B, K, TAIL_BLOCKS, G * T, E)
+    parts = torch.cat([shared, tail], dim=2)                           # (B, K, n + m, GT, E)
+    total = parts[:, :, 0]
+    for b in range(1, parts.shape[2]):          # in order: one sum, the same for every query
+        total = total + parts[:, :, b]
+    y = total[..., :D] / total[..., D:]                                 # (B, K, GT, D)
+    return y.view(B, H, T, D).transpose(1, 2)                           # (B, T, H, D)
+
+
+def step(model: "Llama", tokens, positions, k, v, start, mask):
+    """One decode step of fixed shapes, the graph torch.compile sees: tokens, positions (1, T)
+    long, k and v each layer's cache, (1, K, S, D) and (1, K, S, D + 1) (written in place at
+    slots start..start + T - 1), start () long, mask (T, T) bool among the new tokens ->
+    logits (1, T, V), final hidden (1, T, C)."""
+    B, T = tokens.shape
+    S = k[0].shape[2]
+    at = start + torch.arange(T, device=tokens.device)                 # (T,) their slots
+    rel = torch.arange(S, device=tokens.device) - start                # (S,) slot - start
+    new = mask[:, rel.clamp(0, T - 1)] & (rel >= 0) & (rel < T)         # (T, S) among the new
+    seen = new | (rel < 0)                                              # and the whole prefix
+    win = window(seen, start)                                           # once for all layers
+    x = model.embed(tokens)                                             # (B, T, C)
+    cos, sin = model.rope(positions, x.dtype)
+    for i, layer in enumerate(model.layers):
+        q, new_k, new_v = layer.attn.project(layer.attn_norm(x), cos, sin)
+        k[i][:, :, at] = new_k.to(k[i].dtype)                            # (B, K, T, D)
+        v[i][:, :, at] = with_ones(new_v.to(v[i].dtype))
+        y = attend_fixed(q, k[i], v[i], seen, win)                       # (B, T, H, D)
+        x = x + layer.attn.wo(y.to(x.dtype).reshape(B, T, -1))
+        x = x + layer.mlp(layer.mlp_norm(x))
+    hidden = model.norm(x)
+    return model.lm_head(hidden), hidden
+
+
+class Compiled(nn.Module):
+    """A target (model.Llama's interface) whose steps run compiled: one graph per step size in
+    `sizes` (1 for plain decoding, a method's tree size; a smaller call is padded to it) and
+    width attended (`cache_width` of the slots in use); prefills run eager. Its caches are `slots` slots wide (a run's most), or wider where
+    asked (a graph more per width then)."""
+
+    def __init__(self, model: "Llama", sizes=(1,), slots: int = NARROWEST):
+        super().__init__()
+        self.model, self.sizes, self.slots = model, sorted(set(sizes)), slots
+        self.config, self.embed = model.config, model.embed     # what decoding reads of a target
+        cuda = model.embed.weight.device.type == "cuda"
+        # a graph per (size, width), and every method of a bench shares them
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        # on a GPU the same graphs replay as CUDA graphs (no launch per kernel either).
+        # emulate_precision_casts: round every intermediate as eager does; else a fused kernel
+        # may skip a bfloat16 rounding, and the graphs of 1 and N tokens (fused differently
+        # from a few layers on) would give a row different bits
+        self.graph = torch.compile(step, fullgraph=True, dynamic=False,
+                                   options={"emulate_precision_casts": True,
+                                            "triton.cudagraphs": cuda})
+
+    def widths(self) -> list:
+        """The widths its caches attend over as they fill: a graph each."""
+        return [w for w in (NARROWEST << i for i in range(32)) if w <= cache_width(self.slots)]
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile now every graph (size, width) its caches can need, so that no step of a run
+        stops to compile (minutes each the first time, seconds from torch's on-disk cache)."""
+        cache, device = self.new_cache(), self.embed.weight.device
+        for width in self.widths():
+            for size in self.sizes:
+                cache.length = width - size                 # a step that fills the width
+                self(torch.zeros(1, size, dtype=torch.long, device=device),
+                     torch.arange(width - size, width, device=device)[None], cache)
+
+    def new_cache(self, batch: int = 1, slots: int | None = None) -> "KVCache":
+        # every cache as wide: a graph's input strides (and so the graph) depend on it too
+        return self.model.new_cache(batch, cache_width(max(slots or 0, self.slots)))
+
+    def forward(self, tokens, positions, cache, mask=None, last_only=False):
+        n, start = tokens.shape[1], cache.length
+        size = next((s for s in self.sizes if s >= n), None)
+        if size is None:                                            # a prefill
+            return self.model(tokens, positions, cache, mask, last_only)
+        tree = (torch.ones(n, n, dtype=torch.bool).tril() if mask is None
+                else mask[:, start:].cpu())                         # (n, n) among new tokens
+        tokens, positions, tree = pad_inputs(tokens[0], positions[0], tree, size)
+        device, width = tokens.device, min(cache_width(start + size), cache.slots)
+        # each layer's cache a separate input, its first `width` slots (a view: written in
+        # place); a write into a slice of one stacked tensor would copy the whole cache
+        keys = [k[:, :, :width] for k in cache.k.unbind(0)]              # (1, K, width, D)
+        values = [v[:, :, :width] for v in cache.v.unbind(0)]            # (1, K, width, D + 1)
+        logits, hidden = self.graph(self.model, tokens[None], positions[None], keys, values,
+                                    torch.tensor(start, device=device), tree.to(device))
+        cache.length = start + n
+        logits = logits[:, n - 1:n] if last_only else logits[:, :n]
+        return logits, hidden[:, :n]                 # the pads' slots go with the rejected
+
+
+class CompileError(ValueError):
+    """torch cannot compile here; the message says why and that eager decoding works."""
+
+
+def check_compiler() -> None:
+    """Compile a one-line function, so that a machine that cannot (no C++ compiler, no backend
+    for the device) is told in one line before a model is loaded; never inductor's traceback."""
+    try:
+        torch.compile(lambda x: x * 2 + 1, fullgraph=True)(torch.ones(8))
+    except Exception as e:                      # inductor raises many kinds; all mean the same
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise CompileError(f"--compile: torch cannot compile on this machine ({reason}); "
+                           f"run without --compile: eager decoding works") from None
+
+
+def pad_inputs(tokens, pos, mask, size: int) -> tuple:
+    """A tree's tokens (N,), positions (N,) and mask (N, N) padded to `size` nodes, for a
+    fixed-shape (compiled) forward. A pad node repeats the root at its position and sees every
+    node before it; no real node sees it, so the first N outputs are unchanged and the pad's
+    cache slots are dropped with every other rejected node."""
+    n = tokens.shape[0]
+    if n > size:
+        raise ValueError(f"a tree of {n} nodes does not fit the padded size {size}")
+    full = torch.ones(size, size, dtype=torch.bool).tril()             # (size, size)
+    full[:n, :n] = mask
+    return (torch.cat([tokens, tokens[:1].expand(size - n)]),
+            torch.cat([pos, pos[:1].expand(size - n)]), full)
