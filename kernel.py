@@ -226,9 +226,11 @@ def in_calls(f, x: torch.Tensor, rows: int) -> torch.Tensor:
     """f over x (M, I) in calls of exactly `rows` rows, zero rows padding the last (0: one call).
     Every call the library sees has one shape whatever the step's row count, so it takes one
     kernel for every row; what is left to it (that a row's bits do not depend on the rows beside
-    it in its call) `check_rows` checks. One row a call leaves it nothing: exact by construction."""
+    it in its call) `check_rows` checks. One row a call leaves it nothing: exact by construction.
+    A call of more than PREFILL_QUERIES rows is a prefill, whose rows no other call computes (as
+    in `attend`): it goes whole."""
     M = x.shape[0]
-    if rows == 0 or M == rows:
+    if rows == 0 or M == rows or M > PREFILL_QUERIES:
         return f(x)
     padded = F.pad(x, (0, 0, 0, -M % rows))                             # (M', I)
     return torch.cat([f(part) for part in padded.split(rows)])[:M]      # (M, O)

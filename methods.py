@@ -17,7 +17,7 @@ from checkpoint import load_model, read_json
 from costs import AUTO_MAX, Priced, Sizer
 from default_model import WEIGHTS, default_model_path
 from heads import best_paths, load_head, projection, read_head_config
-from kernel import check_rows
+from kernel import PREFILL_QUERIES, check_rows
 from model import Llama, LlamaConfig, LoadError, RopeScaling
 from proposers import (DraftConfig, DraftModelProposer, EagleProposer, LookupEagleProposer,
                        MedusaProposer, PromptLookupProposer, SizeRule)
@@ -193,10 +193,12 @@ def build_proposer(mc: MethodConfig, path: str, target, tokenizer, slots: int) -
     raise ValueError(f"no proposer for method {mc.method!r}; methods: {', '.join(METHODS[1:])}")
 
 
-def exact_routes(target, rows: int, compiled: bool = False) -> list:
-    """kernel.check_rows for the run's largest step (rows) -> a line per kernel sent the safe
-    route. Compiled attention has no such route: there a ValueError says so in one line."""
-    lines = check_rows(target, rows)
+def exact_routes(target, compiled: bool = False) -> list:
+    """kernel.check_rows for calls of up to PREFILL_QUERIES rows (every step of every method;
+    the same check whatever the method, so that plain decoding and each method take the same
+    routes, prefills included) -> a line per kernel sent the safe route. Compiled attention
+    has no such route: there a ValueError says so in one line."""
+    lines = check_rows(target, PREFILL_QUERIES)
     if compiled and any(line.startswith("attention") for line in lines):
         raise ValueError("--compile: attention's rows depend on the call on this machine (the "
                          "check at start); run without --compile, which computes them alone")
@@ -223,7 +225,7 @@ def build_draft(mc: MethodConfig, path: str, target, tokenizer, slots: int) -> t
     draft = share_embeddings(load_model(folder, w.dtype, w.device, embeddings_from=path), target)
     own = {id(t) for t in [*target.parameters(), *target.buffers()]}
     params = sum(p.numel() for p in draft.parameters() if id(p) not in own)  # its own only
-    draft = quantize(draft, draft_form(mc, draft))       # skips what is the target's
+    draft = quantize(draft, draft_form(mc, draft), rows=False)  # the target's shared: skipped
     vocab = load_draft_vocab(folder, target.config.vocab_size)
     proj = None if vocab is None else draft_projection(mc, target, vocab)
     proposer = DraftModelProposer(draft, mc.depth, slots, vocab, proj)
@@ -262,7 +264,7 @@ def build_head(mc: MethodConfig, target, slots: int, extra: int = 0) -> tuple:
     folder = head_folder(mc.heads, kind)
     head, config = load_head(folder, target, kind)
     params = sum(p.numel() for p in head.parameters())
-    head = quantize(head, draft_form(mc, head))
+    head = quantize(head, draft_form(mc, head), rows=False)
     proj = draft_projection(mc, target, head.vocab_ids)
     # measured P(rank r right | path right) by depth; EAGLE-2 only ever drafts ranks < top_k
     accuracy = [row[:mc.top_k] if mc.method == "eagle2" else row for row in
@@ -322,7 +324,7 @@ def draft_form(mc: MethodConfig, module) -> str:
 def draft_projection(mc: MethodConfig, target, vocab_ids):
     """The target's lm_head rows of a draft vocabulary, as a module C -> R in the drafts' form."""
     proj = projection(target, vocab_ids)
-    return convert(proj, draft_form(mc, proj), "the draft vocabulary's projection")
+    return convert(proj, draft_form(mc, proj), "the draft vocabulary's projection", rows=False)
 
 
 def head_folder(heads, kind: str) -> str:

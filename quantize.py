@@ -154,11 +154,13 @@ def as_float(linear: nn.Linear) -> nn.Module:
     return layer
 
 
-def convert(linear: nn.Linear, form: str, name: str) -> nn.Module:
-    """One layer in the chosen form; a QuantizeError where the form cannot hold it."""
+def convert(linear: nn.Linear, form: str, name: str, rows: bool = True) -> nn.Module:
+    """One layer in the chosen form; a QuantizeError where the form cannot hold it. rows=False:
+    float weights stay nn.Linear, for a draft (its rounding never decides what is accepted, so
+    its rows need not be the same bits in every call)."""
     w = linear.weight
     if form == "float":
-        return as_float(linear)
+        return as_float(linear) if rows else linear
     if w.device.type not in ("cpu", "meta"):
         raise QuantizeError(f"--weights {form}: layer {name} is on {w.device}; the weight-only "
                             f"kernels used here are torch's CPU ones: use --weights float")
@@ -172,9 +174,11 @@ def convert(linear: nn.Linear, form: str, name: str) -> nn.Module:
     return kind.skeleton(linear) if w.is_meta else kind.of(linear)    # meta: a kept form's
 
 
-def quantize(module: nn.Module, form: str, head_form: str | None = None) -> nn.Module:
+def quantize(module: nn.Module, form: str, head_form: str | None = None,
+             rows: bool = True) -> nn.Module:
     """Replace every nn.Linear in module (in place) by its `form`; a Llama's lm_head by
-    `head_form` (default: form). The embedding stays as it is: a lookup reads one row."""
+    `head_form` (default: form). The embedding stays as it is: a lookup reads one row. rows:
+    see `convert`."""
     if form not in WEIGHTS or (head_form or form) not in WEIGHTS:
         raise QuantizeError(f"unknown weight form {form!r}: choose from {', '.join(WEIGHTS)}")
     for parent_name, parent in list(module.named_modules()):
@@ -182,7 +186,7 @@ def quantize(module: nn.Module, form: str, head_form: str | None = None) -> nn.M
             if type(child) is nn.Linear:
                 full = f"{parent_name}.{name}" if parent_name else name
                 chosen = head_form or form if full == "lm_head" else form
-                setattr(parent, name, convert(child, chosen, full))
+                setattr(parent, name, convert(child, chosen, full, rows))
     return module
 
 

@@ -64,21 +64,21 @@ def bench_decoder(args, method: str, loaded: tuple, gen: GenConfig, slots: int) 
     path, target, tokenizer = loaded
     fast = method.endswith(COMPILED)
     method = method.removesuffix(COMPILED)
+    safe = exact_routes(target, fast)
+    alone = f"; rows alone: {len(safe)} kernels" if safe else ""
     if method == "ar":
         plain = Compiled(target, slots=slots) if fast else target
         if fast:
             plain.warm_up()
-        return (lambda ids: generate_ar(plain, ids, gen, tokenizer.stop_ids)), 0.0, "plain"
+        return (lambda ids: generate_ar(plain, ids, gen, tokenizer.stop_ids)), 0.0, "plain" + alone
     mc = method_of(args, method, compile=fast)
     proposer, info = build_proposer(mc, path, target, tokenizer,
                                     target.config.max_positions + room(mc) + 1)
-    safe = exact_routes(target, proposer.max_nodes, fast)
     verifier = Compiled(target, (proposer.max_nodes,), slots) if fast else target
     if fast:
         verifier.warm_up()
-    described = describe(mc, info) + (f"; rows alone: {len(safe)} kernels" if safe else "")
     return (lambda ids: generate_spec(verifier, proposer, ids, gen, tokenizer.stop_ids),
-            info["draft_memory_mb"], described)
+            info["draft_memory_mb"], describe(mc, info) + alone)
 
 
 # ---------------------------------------------------------------- one run
@@ -91,6 +91,9 @@ def run(args) -> dict:
     stream = None if args.json else Streamer(tokenizer, marks)
     # --compile: a short run first compiles, so that the printed tokens/s is the steady state
     warm = GenConfig(8, gen.temperature, gen.top_p, gen.seed)
+    routes = exact_routes(target, args.compile)
+    for line in routes if args.verbose else ():
+        print(f"exact: {line}", file=sys.stderr)
     if args.method == "ar":
         if args.compile:
             target = Compiled(target, slots=check_room(target, prompt_ids, gen))
@@ -101,9 +104,6 @@ def run(args) -> dict:
         mc = method_of(args, args.method)
         slots = check_room(target, prompt_ids, gen, room(mc))
         proposer, info = build_proposer(mc, path, target, tokenizer, slots)
-        info["safe_routes"] = exact_routes(target, proposer.max_nodes, args.compile)
-        for line in info["safe_routes"] if args.verbose else ():
-            print(f"exact: {line}", file=sys.stderr)
         show = tree_printer(tokenizer) if args.show_tree else None
         verifier = Compiled(target, (proposer.max_nodes,), slots) if args.compile else target
         if args.compile:
@@ -122,7 +122,8 @@ def run(args) -> dict:
             "text": tokenizer.decode(text_ids), "new_tokens": len(result.token_ids),
             "target_forwards": result.target_forwards, "tau": round(result.tau, 3),
             "seconds": round(result.seconds, 3),
-            "tokens_per_s": round(len(result.token_ids) / max(result.seconds, 1e-9), 2)} | info
+            "tokens_per_s": round(len(result.token_ids) / max(result.seconds, 1e-9), 2),
+            "rows_alone": routes} | info
 
 
 def compiling(fast: Compiled) -> None:
@@ -372,8 +373,7 @@ def check_together(p, args) -> None:
                                  ("--draft-top-k", args.draft_top_k, ["eagle2", "eagle2+ngram"]),
                                  ("--tree-size", args.tree_size, list(HEAD_KIND)),
                                  ("--ngram-max", args.ngram_max, ["ngram", "eagle2+ngram"]),
-                                 ("--draft", args.draft, ["draft"]),
-                                 ("--verbose", args.verbose or None, METHODS[1:])):
+                                 ("--draft", args.draft, ["draft"])):
         if value is not None and method not in methods:     # else silently without effect
             p.error(f"{flag} does not apply to --method {method}; it shapes "
                     f"{', '.join(methods)}")

@@ -105,7 +105,6 @@ SPEC_CASES = [
     (["--model", "{half llama3}"], "{half llama3}/config.json: rope_scaling llama3 needs factor"),
     (["--model", "{a list}"], "{a list}/config.json: expected a JSON object"),
     (["--model", f"{WEIGHTS}/smollm2-135m-eagle"], "holds eagle heads, not a model: give the"),
-    (["--verbose"], "--verbose does not apply to --method ar"),
     (["--model", "{bad tokenizer}"], "{bad tokenizer}/tokenizer.json: not valid JSON"),
     (["--model", "{no tokenizer}"], "no tokenizer.json or original/tokenizer.model"),
     (["--model", "{good}", "--method", "draft", "--draft", "{cut weights}"],

@@ -3,6 +3,7 @@ whatever shares the call; the default model as its Q4_1 blocks; every method rep
 decoding token for token in the default configuration, greedy and sampled; what is streamed is
 what is returned. Oracles: each row computed alone, plain decoding, the GGUF file's own blocks,
 the float32 model, exact distributions."""
+import json
 import os
 from dataclasses import astuple
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from verification import sample_at, uniform
-from methods import HEAD_KIND, build_proposer, load_target, room
+from methods import HEAD_KIND, build_proposer, exact_routes, load_target, room
 from checkpoint import load_model
 from kernel import (PREFILL_QUERIES, attend, attend_reference, attention_differs, check_rows,
                     round_up, tail_slots, with_ones, with_prefix)
@@ -403,6 +404,7 @@ def runs():
             if astuple(config) not in built:
                 built[astuple(config)] = load_target(config)
             path, target, tokenizer = built[astuple(config)]
+            exact_routes(target)                    # as the command line, before decoding
             mc = spec.method_of(args, method)
             proposer = None if method == "ar" else build_proposer(
                 mc, path, target, tokenizer, target.config.max_positions + room(mc))[0]
@@ -426,6 +428,25 @@ def run_all(get, method, flags, prompt, max_new, tree=()):
     assert streamed == out.token_ids, f"{method} streamed {len(streamed)} tokens ending " \
         f"{streamed[-2:]}, returned {len(out.token_ids)} ending {out.token_ids[-2:]}"
     return out
+
+
+@pytest.mark.slow
+def test_a_run_whose_kernel_rows_depend_on_the_call_is_exact_and_says_so(monkeypatch, capsys):
+    """The command line on the default model with its int4 kernel patched to round calls of
+    more than 4 rows differently: the check at start computes them alone, eagle2 with trees of
+    16 writes plain decoding's text, and --verbose names the kernel and why."""
+    import spec
+    kernel = Int4Linear.kernel
+    monkeypatch.setattr(Int4Linear, "kernel", lambda self, x: off_beyond_four_rows(
+        lambda x: kernel(self, x))(x))
+    argv = ["--max-new-tokens", "32", "--json", "-", "--verbose", "--prompt", PROMPTS[1]]
+    texts = {}
+    for method, tree in (("ar", []), ("eagle2", ["--tree-size", "16"])):
+        spec.main(["--method", method, *tree, *argv])
+        out, err = capsys.readouterr()
+        texts[method] = json.loads(out)["token_ids"]
+        assert "exact: Int4Linear" in err and "alone" in err, f"{method} did not say: {err}"
+    assert texts["eagle2"] == texts["ar"]
 
 
 def cut_inside(result, stop_ids) -> str | None:
