@@ -236,37 +236,50 @@ def in_calls(f, x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([f(part) for part in padded.split(rows)])[:M]      # (M, O)
 
 
+# Row counts the check tries: remainders of every tile height seen in MKL's kernels (4 on AVX-512,
+# 6 on AVX2) and calls past the sizes where it switches kernels (60 rows on its AVX2 path)
+CHECK_SIZES = (3, 8, 13, 25, 41, 73)
+
+
 @torch.no_grad()
-def check_rows(model, rows: int, prefix: int = 200) -> list:
+def check_rows(model) -> list:
     """The check at start, on the machine that runs: each kernel the target uses (a linear layer
-    of each form and shape, attention) computes a random block of `rows` rows (the run's largest
-    step) together and a few of them alone. A kernel whose rows differ computes every row alone
-    from then on (rows = 1; attention's `alone`): exact by construction, slower for trees.
-    -> one line per kernel rerouted, what and why (none: every kernel keeps rows here)."""
-    if rows < 2:
-        return []                       # one row a step: plain decoding, nothing to compare
+    of each form and shape, attention) computes random rows in calls of several sizes
+    (CHECK_SIZES; a form with calls of fixed rows, one call) and a few of them alone. A kernel
+    whose rows differ computes every row alone from then on (rows = 1; attention's `alone`):
+    exact by construction, slower for trees. -> a line per kernel rerouted, what and why."""
     g = torch.Generator().manual_seed(0)
-    picks = sorted({0, 1, rows // 2, rows - 1})
     groups = {}
     for m in model.modules():
         if isinstance(m, RowCalls) and m.rows != 1:
             groups.setdefault((type(m).__name__, m.rows) + m.sizes(), []).append(m)
     notes = []
     for (kind, calls, I, O, dtype), layers in groups.items():
-        x = torch.randn(rows, I, generator=g).to(dtype)
-        together = layers[0](x)                                         # (rows, O)
-        if not all(torch.equal(layers[0](x[r:r + 1]), together[r:r + 1]) for r in picks):
+        sizes = (calls,) if calls else CHECK_SIZES      # calls of fixed rows: that one shape
+        n = next((n for n in sizes if linear_differs(layers[0], n, g)), None)
+        if n is not None:
             for m in layers:
                 m.rows = 1
             notes.append(f"{kind} {I}x{O} in {str(dtype).removeprefix('torch.')}: a row among "
-                         f"{rows} differs from the row alone here; every row computed alone")
-    c, cache = model.config, model.new_cache(1, 1)        # for its dtype
-    if attention_differs(c.num_heads, c.num_kv_heads, c.head_dim, cache.k.dtype, rows, prefix, g):
+                         f"{n} differs from the row alone here; every row computed alone")
+    c, dtype = model.config, model.new_cache(1, 1).k.dtype     # the dtype attention runs in
+    n = next((n for n in CHECK_SIZES for prefix in (70, 200) if attention_differs(
+        c.num_heads, c.num_kv_heads, c.head_dim, dtype, n, prefix, g)), None)
+    if n is not None:
         for layer in model.layers:
             layer.attn.alone = True
-        notes.append(f"attention in {str(cache.k.dtype).removeprefix('torch.')}: a tree node "
-                     f"among {rows} differs from its path alone here; every query alone")
+        notes.append(f"attention in {str(dtype).removeprefix('torch.')}: a tree node among {n} "
+                     f"differs from its path alone here; every query alone")
     return notes
+
+
+def linear_differs(layer, n: int, g) -> bool:
+    """Whether the layer gives some of n random rows other bits than the row alone."""
+    I, _, dtype = layer.sizes()
+    x = torch.randn(n, I, generator=g).to(dtype)
+    together = layer(x)                                                 # (n, O)
+    return not all(torch.equal(layer(x[r:r + 1]), together[r:r + 1])
+                   for r in sorted({0, 1, n // 2, n - 1}))
 
 
 def attention_differs(H, K, D, dtype, n, prefix, g) -> bool:

@@ -17,7 +17,7 @@ from checkpoint import load_model, read_json
 from costs import AUTO_MAX, Priced, Sizer
 from default_model import WEIGHTS, default_model_path
 from heads import best_paths, load_head, projection, read_head_config
-from kernel import PREFILL_QUERIES, check_rows
+from kernel import check_rows
 from model import Llama, LlamaConfig, LoadError, RopeScaling
 from proposers import (DraftConfig, DraftModelProposer, EagleProposer, LookupEagleProposer,
                        MedusaProposer, PromptLookupProposer, SizeRule)
@@ -194,11 +194,10 @@ def build_proposer(mc: MethodConfig, path: str, target, tokenizer, slots: int) -
 
 
 def exact_routes(target, compiled: bool = False) -> list:
-    """kernel.check_rows for calls of up to PREFILL_QUERIES rows (every step of every method;
-    the same check whatever the method, so that plain decoding and each method take the same
-    routes, prefills included) -> a line per kernel sent the safe route. Compiled attention
-    has no such route: there a ValueError says so in one line."""
-    lines = check_rows(target, PREFILL_QUERIES)
+    """kernel.check_rows, the same whatever the method, so that plain decoding and every method
+    take the same routes (prefills included) -> a line per kernel sent the safe route. Compiled
+    attention has no such route: there a ValueError says so in one line."""
+    lines = check_rows(target)
     if compiled and any(line.startswith("attention") for line in lines):
         raise ValueError("--compile: attention's rows depend on the call on this machine (the "
                          "check at start); run without --compile, which computes them alone")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernel import with_prefix
-from kernel import Compiled, pad_inputs, step
+from kernel import Compiled, check_rows, pad_inputs, step
 from decode import GenConfig, generate_ar, generate_spec
 from quantize import quantize
 from test_spec import random_tree, tiny_model
@@ -101,6 +101,9 @@ def test_a_compiled_tree_row_equals_its_path_run_one_token_at_a_time(dtype, weig
     # the tree's layout than in plain decoding's.
     target = quantize(tiny_model(3, hidden_size=128, num_heads=2, num_kv_heads=1,
                                  intermediate_size=128, num_layers=layers).to(dtype), *weights)
+    if any(line.startswith("attention") for line in check_rows(target)):   # as spec.py does
+        pytest.skip("this machine's library makes attention's rows depend on the call, and "
+                    "compiled attention has no route that computes them alone: --compile refuses")
     fast, rng = Compiled(target, (1, TREE)), random.Random(4)
     for n, start in ((TREE, 61), (4, 62), (TREE, 125), (5, 70)):
         tree = random_tree(rng, n)
@@ -121,7 +124,7 @@ def test_a_compiled_tree_row_equals_its_path_run_one_token_at_a_time(dtype, weig
 
 def test_the_fixed_step_equals_eager_attention_rows():
     # the step's static attention (a fixed window gathered per query, blocks added in order)
-    # computes what attention.attend computes; float64, where both are exact to rounding
+    # computes what kernel.attend computes; float64, where both are exact to rounding
     model = tiny_model(2)
     rng = random.Random(1)
     for n, start in ((5, 9), (7, 70), (3, 130)):

@@ -209,7 +209,7 @@ def nodes_unlike_their_paths(model, n: int = 12) -> list:
 def test_tree_pass_logits_equal_each_path_decoded_plainly_bit_for_bit():
     """The whole int4 bf16 model, after the check at start: a tree pass's rows are its paths'."""
     model = int4_tiny()
-    check_rows(model, 12)
+    check_rows(model)
     assert nodes_unlike_their_paths(model) == []
 
 
@@ -231,8 +231,9 @@ def test_the_check_at_start_computes_alone_a_linear_form_whose_rows_depend_on_th
             x, self.packed, self.group, self.scales_zeros))(x))
     model = int4_tiny()
     assert nodes_unlike_their_paths(model) != [], "the patched kernel did not change a row"
-    notes = check_rows(model, 12)
-    assert notes and all(n.startswith("Int4Linear") and "alone" in n for n in notes), notes
+    notes = check_rows(model)
+    int4 = [n for n in notes if n.startswith("Int4Linear")]       # (and attention, where the
+    assert int4 and all("alone" in n for n in int4), notes          # library fails it too)
     assert all(m.rows == 1 for m in model.modules() if isinstance(m, Int4Linear))
     assert nodes_unlike_their_paths(model) == []
 
@@ -243,8 +244,8 @@ def test_the_check_at_start_attends_alone_where_attention_rows_depend_on_the_cal
     monkeypatch.setattr(kernel, "whole_groups", off_beyond_four_rows(kernel.whole_groups))
     model = int4_tiny()
     assert nodes_unlike_their_paths(model) != [], "the patched attention did not change a row"
-    notes = check_rows(model, 12)
-    assert [n.split(" ")[0] for n in notes] == ["attention"], notes
+    notes = check_rows(model)
+    assert [n.split(" ")[0] for n in notes] == ["attention"], notes     # the linears are fine
     assert nodes_unlike_their_paths(model) == []
 
 
