@@ -8,8 +8,9 @@ CPU (AVX2, AVX-512, AMX). Plain decoding computes a token in a call of one row; 
 verification computes the same token in a call of several. For speculative decoding to write
 plain decoding's very text, both must give the row the same bits. How each kernel keeps it:
   - attention (`attend`): sums in an order fixed by the token's own visible slots (blocks of
-    SLOT_BLOCK), never by the call; a prefill (more than PREFILL_QUERIES queries) goes to SDPA:
-    its rows no other call computes;
+    SLOT_BLOCK), never by the call; its two float32 matmuls are MKL's, whose rows on its AVX2
+    path depend on the call at some sizes (docs/RESULTS.md): the check tries several; a
+    prefill (more than PREFILL_QUERIES queries) goes to SDPA: its rows no other call computes;
   - linear layers (quantize.py's forms) send the library calls of a fixed number of rows
     (`in_calls`): one row a call for float32 (a row alone is the very call plain decoding
     makes, and MKL's fastest), blocks of 16 for bf16 and float16 float weights (oneDNN), all
@@ -17,8 +18,9 @@ plain decoding's very text, both must give the row the same bits. How each kerne
     instructions in the same order (4-row tiles, one FMA chain a row and column);
   - the compiled step (`step`): the same layers, attention with its gather made static.
 What is left to a library (that a row's bits within a call do not depend on the rows beside
-it) is checked at start on the machine that runs (`check_rows`): where a kernel fails, the run
-computes that kernel's rows alone, which is exact by construction, and says so.
+it, or on the call's size for attention and torch's kernels) is checked at start on the machine
+that runs (`check_rows`, a few milliseconds, nothing kept): where a kernel fails, the run
+computes that kernel's rows alone, which is exact by construction, and `--verbose` says so.
 
 Dimensions: B batch, T new tokens (queries), H query heads, K key/value heads, G = H / K, D head
 dim, W cache slots read (whole blocks of SLOT_BLOCK), M rows of a linear call, I its inputs.
