@@ -92,7 +92,8 @@ def run(args) -> dict:
     # --compile: a short run first compiles, so that the printed tokens/s is the steady state
     warm = GenConfig(8, gen.temperature, gen.top_p, gen.seed)
     routes = exact_routes(target, args.compile)
-    for line in routes if args.verbose else ():
+    for line in (routes or ["every kernel gives a row the same bits in any call here"]
+                 if args.verbose else ()):
         print(f"exact: {line}", file=sys.stderr)
     if args.method == "ar":
         if args.compile:
@@ -202,9 +203,10 @@ def decoding_flags(p) -> None:
                    help="after each step, draw the draft tree (tokens, cumulative probability, "
                         "* on the accepted path, -> the target's own next token) on stderr")
     p.add_argument("--verbose", action="store_true",
-                   help="also print the internal choices on stderr: the kernels the check at "
-                        "start sent a safe route (rows alone) and why; with --tree-size auto, the "
-                        "price of each tree size it chose from")
+                   help="also print the internal choices on stderr: what the check at start "
+                        "found (a kernel whose rows depend on the call is computed row by row, "
+                        "and why); with --tree-size auto, each change of the prices it sizes "
+                        "trees by")
     p.add_argument("--show-drafts", action=argparse.BooleanOptionalAction,
                    help="mark the streamed tokens that came from accepted drafts (in color, "
                         "or [brackets] where stdout is not a terminal; default: on at a "
