@@ -184,9 +184,13 @@ def whole_groups(x: torch.Tensor) -> torch.Tensor:
 
 def tail_slots(mask: torch.Tensor):
     """What `attend` gathers for a (T, W) mask: None where every query's visible slots are the
-    first ones (plain decoding, chains, prefill: the cache is their plain layout), or where the
-    gathered part would span more than TAIL_BLOCKS blocks (training's unrolled masks, which no
-    other call must reproduce); else (shared, rows, slots, seen): the first `shared` slots
+    first ones (plain decoding, chains, prefill: the cache is their plain layout), where every
+    other query's visible slots past the shared blocks lie in the one block after them (a tree
+    that does not cross a block boundary: there its slots hold each node's plain layout in order,
+    unseen slots between them, whose zero weights add nothing to the block's sum; the check at
+    start tries it), or where the gathered part would span more than TAIL_BLOCKS blocks
+    (training's unrolled masks, which no other call must reproduce); else (shared, rows, slots,
+    seen): the first `shared` slots
     (whole blocks) every query sees in slot order; rows (Q,) the queries whose visible slots
     are not the first ones (a tree's nodes off its first path); slots (Q, R) the slot at each
     later position of their plain layouts, seen (Q, R) whether that position exists."""
@@ -197,7 +201,7 @@ def tail_slots(mask: torch.Tensor):
         return None
     shared = int(mask.all(0).long().cumprod(0).sum()) // SLOT_BLOCK * SLOT_BLOCK
     R = round_up(int(count[rows].max())) - shared
-    if R > TAIL_BLOCKS * SLOT_BLOCK:
+    if R > TAIL_BLOCKS * SLOT_BLOCK or not mask[rows, shared + SLOT_BLOCK:].any():
         return None
     order = torch.sort((~mask[rows]).to(torch.uint8), dim=1, stable=True).indices  # seen first
     seen = torch.arange(shared, shared + R, device=mask.device) < count[rows, None]
