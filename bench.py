@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from checkpoint import write_whole
-from decode import GenConfig, Result
+from decode import PHASES, GenConfig, Result
 from costs import forward_costs
 from default_model import WEIGHTS
 from export import export_draft
@@ -76,7 +76,7 @@ class Record:
     seconds: float
     accepted: list = field(default_factory=list)    # per step: drafted tokens accepted
     temperature: float = 0.0
-    draft_seconds: float = 0.0                      # of `seconds`, those spent drafting
+    phase_seconds: dict = field(default_factory=dict)   # of `seconds`, by phase (decode.PHASES)
     depths: list = field(default_factory=list)      # per step: the tree's depth
 
 
@@ -127,13 +127,16 @@ def summarize(records: list, methods: list, extra_mb: dict, target_mb: float,
         # tokens/s = tau / (s per forward), so speedup = tau x base_ms / ms: what a method's
         # forward costs (drafting included) sets the tau it needs for a given speedup
         ms = 1000 * sec / max(fwd, 1)
-        drafting = sum(r.draft_seconds for r in records if r.method == m)
+        phases = {p: sum(r.phase_seconds.get(p, 0.0) for r in records if r.method == m)
+                  for p in PHASES}
         out["methods"][m] = {
             "config": (configs or {}).get(m, ""),
             "tau": new / max(fwd, 1), "tokens_per_s": new / max(sec, 1e-9),
             "speedup": (new / max(sec, 1e-9)) / (base[0] / max(base[2], 1e-9)),
             "ms_per_forward": ms,
-            "draft_ms_per_step": 1000 * drafting / len(steps) if steps else None,
+            "draft_ms_per_step": 1000 * phases["draft"] / len(steps) if steps else None,
+            "phase_ms_per_step": {p: 1000 * s / len(steps) for p, s in phases.items()}
+            if steps else None,
             "tau_for_2x": 2 * ms / base_ms,
             "memory_mb": extra_mb.get(m, 0.0), "memory_pct": 100 * extra_mb.get(m, 0.0) / target_mb,
             "acceptance_by_position": [sum(a > i for a in steps) / max(len(steps), 1)
@@ -173,12 +176,12 @@ def format_tables(summary: dict, methods: list) -> str:
         lines.append(f"{c:<16}" + "".join(
             f"{per[m]['tau']:{width[m] - 6}.2f} {per[m]['speedup']:4.2f}x" for m in methods))
     lines += ["", "ms per target forward, drafting included (speedup = tau x the baseline's ms "
-              "/ this ms)", f"{'method':<21}{'ms':>8}{'drafting':>10}{'tau for 2x':>12}"]
+              "/ this ms), and a step's phases (decode.PHASES)",
+              f"{'method':<21}{'ms':>8}{'tau for 2x':>12}" + "".join(f"{p:>9}" for p in PHASES)]
     for m, s in summary["methods"].items():
-        drafting = s["draft_ms_per_step"]
-        lines.append(f"{m:<21}{s['ms_per_forward']:8.1f}"
-                     f"{'-' if drafting is None else format(drafting, '.1f'):>10}"
-                     f"{s['tau_for_2x']:12.2f}")
+        phases = s["phase_ms_per_step"] or {}
+        lines.append(f"{m:<21}{s['ms_per_forward']:8.1f}{s['tau_for_2x']:12.2f}" + "".join(
+            f"{'-' if p not in phases else format(phases[p], '.1f'):>9}" for p in PHASES))
     lines += ["", "acceptance by draft position (fraction of steps)"]
     for m, s in summary["methods"].items():
         if s["acceptance_by_position"]:
@@ -297,7 +300,8 @@ def decode_all(prompts: list, decoders: dict, tokenizer) -> tuple:
                     r = decode(ids)
                     records.append(Record(m, p.id, p.category, turn, r.token_ids,
                                           r.target_forwards, r.seconds, r.accepted, T,
-                                          sum(r.draft_seconds), r.depths))
+                                          {p: sum(s) for p, s in r.phase_seconds.items()},
+                                          r.depths))
                     answer = [t for t in r.token_ids if t not in tokenizer.stop_ids]
                     history += [("user", text), ("assistant", tokenizer.decode(answer))]
                 bar.update(1)

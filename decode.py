@@ -14,6 +14,11 @@ from tree import ancestor_mask, positions, retrieve_indices
 from verification import accept_chain_sampled, accept_tree, next_tokens, target_probs, uniform
 
 
+# A speculative step's phases, timed: propose, the tree's mask and positions, the target's
+# forward, verification's walk, the cache's keep and the proposer's commit, the rest (streaming)
+PHASES = ("draft", "tree", "forward", "accept", "commit", "other")
+
+
 @dataclass
 class GenConfig:
     max_new_tokens: int = 128
@@ -30,7 +35,12 @@ class Result:
     accepted: list = field(default_factory=list)    # per step: drafted tokens accepted
     drafted: list = field(default_factory=list)     # per step: drafted tokens (tree nodes)
     depths: list = field(default_factory=list)      # per step: the tree's depth
-    draft_seconds: list = field(default_factory=list)   # per step: wall time in propose()
+    # per phase of a step (PHASES), per step: wall time, no sync added (a CPU waits anyway)
+    phase_seconds: dict = field(default_factory=lambda: {p: [] for p in PHASES})
+
+    @property
+    def draft_seconds(self) -> list:
+        return self.phase_seconds["draft"]
 
     @property
     def tau(self) -> float:
@@ -135,19 +145,23 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
     root = int(next_tokens(logits[0, -1], gen.temperature, gen.top_p, u))
     _, done = take(result, [root], [False], stop_ids, limit, on_tokens)
     proposer.start(prompt_ids, hidden[0])
+    t = time.perf_counter()
     while not done and cache.length + max_nodes <= ctx:      # every node inside the context
-        t = time.perf_counter()          # no sync added: a proposer syncs to read its own choices
         tree, q = proposer.propose(root, gen, generator)
-        result.draft_seconds.append(time.perf_counter() - t)
+        t = lap(result, "draft", t)
         mask = ancestor_mask(tree.parents, tree.depths)                   # (N, N)
         start = cache.length
         pos = positions(tree.depths, start)                                # (N,)
-        logits, hidden = target(tree.tokens[None].to(device), pos[None].to(device), cache,
-                                with_prefix(mask.to(device), start))
+        seen = with_prefix(mask.to(device), start)
+        t = lap(result, "tree", t)
+        logits, hidden = target(tree.tokens[None].to(device), pos[None].to(device), cache, seen)
         result.target_forwards += 1
+        t = lap(result, "forward", t)
         accepted, bonus = verify(logits[0], tree, mask, pos, q, gen, generator)
+        t = lap(result, "accept", t)
         cache.keep(start, accepted)                  # keep the accepted path's slots, in order
         proposer.commit(tree, accepted, hidden[0])
+        t = lap(result, "commit", t)
         new = tree.tokens[accepted[1:]].tolist() + [bonus]
         result.accepted.append(len(new) - 1)
         result.drafted.append(tree.size - 1)
@@ -158,6 +172,7 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
             on_step(tree, accepted[:1 + min(taken, len(new) - 1)].tolist(),
                     bonus if taken == len(new) else None)
         root = bonus                                 # the next step's tree grows from it
+        t = lap(result, "other", t)
     while not done:                  # the context's last positions: too few for a whole tree
         root = plain_step(target, torch.tensor([[root]], device=device),
                           torch.tensor([[cache.length]], device=device), cache, gen)
@@ -165,6 +180,13 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
         _, done = take(result, [root], [False], stop_ids, limit, on_tokens)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def lap(result: Result, phase: str, since: float) -> float:
+    """Record the time since `since` as this step's `phase` -> now, the next phase's start."""
+    now = time.perf_counter()
+    result.phase_seconds[phase].append(now - since)
+    return now
 
 
 def acceptance_by_position(result: Result) -> list:

@@ -114,9 +114,14 @@ def run(args) -> dict:
                                show)
         steps = max(len(result.drafted), 1)
         info |= {"drafted_per_step": round(sum(result.drafted) / steps, 2),
+                 "phase_ms_per_step": {p: round(1000 * sum(s) / steps, 2)
+                                       for p, s in result.phase_seconds.items()},
                  "acceptance_by_position": [round(a, 3) for a in acceptance_by_position(result)]}
     if stream:
         stream.finish()
+    if args.verbose and "phase_ms_per_step" in info:
+        print("per step, ms: " + ", ".join(f"{p} {ms:.1f}" for p, ms
+                                         in info["phase_ms_per_step"].items()), file=sys.stderr)
     text_ids = [t for t in result.token_ids if t not in tokenizer.stop_ids]
     return {"method": args.method, "model_path": os.path.abspath(path), "dtype": args.dtype,
             "device": args.device, "prompt_ids": prompt_ids, "token_ids": result.token_ids,

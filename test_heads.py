@@ -433,8 +433,8 @@ def test_bench_table_arithmetic_on_a_synthetic_run():
     assert e["speedup"] == (6 / 1.5) / (6 / 3.0)
     assert e["memory_pct"] == 5.0 and e["identical"] == [1, 2]
     assert e["acceptance_by_position"] == [1.0, 1 / 3]
-    drafted = [R("e", "1", "x", 0, [1, 2, 3, 4], 2, 0.5, [2, 1], 0.0, 0.0, [3, 2]),
-               R("e", "2", "y", 0, [5, 7], 1, 1.0, [1], 0.0, 0.0, [2])]
+    drafted = [R("e", "1", "x", 0, [1, 2, 3, 4], 2, 0.5, [2, 1], 0.0, {}, [3, 2]),
+               R("e", "2", "y", 0, [5, 7], 1, 1.0, [1], 0.0, {}, [2])]
     by_position = summarize(records[:2] + drafted, ["ar", "e"], {}, 100.0)["methods"]["e"]
     assert by_position["acceptance_by_position"] == [1.0, 1 / 3, 0.0], "every position drafted"
     assert s["categories"]["x"]["e"] == {"tau": 2.0, "speedup": (4 / 0.5) / (4 / 2.0)}
@@ -449,8 +449,9 @@ def test_bench_table_arithmetic_on_a_synthetic_run():
     runs = [{"temperature": 0.0, "summary": s}, {"temperature": 0.7, "summary": s}]
     assert "e" + " " * 26 + "2.00 2.00x" + " " * 6 + "2.00 2.00x" in format_temperatures(runs, ["e"])
     # the time per forward: 2 s over 3 forwards, 0.8 s of it drafting in 2 steps; base 0.5 s
-    slow = records[:2] + [R("f", "1", "x", 0, [1, 2, 3, 4], 2, 1.5, [3], 0.0, 0.6),
-                          R("f", "2", "y", 0, [5, 6], 1, 0.5, [1], 0.0, 0.2)]
+    slow = records[:2] + [R("f", "1", "x", 0, [1, 2, 3, 4], 2, 1.5, [3], 0.0,
+                            {"draft": 0.6, "forward": 0.8}),
+                          R("f", "2", "y", 0, [5, 6], 1, 0.5, [1], 0.0, {"draft": 0.2})]
     f = summarize(slow, ["ar", "f"], {}, 100.0)["methods"]
     assert f["f"]["ms_per_forward"] == pytest.approx(2000 / 3)
     assert f["f"]["draft_ms_per_step"] == pytest.approx(400.0) and f["ar"]["draft_ms_per_step"] is None
@@ -458,8 +459,8 @@ def test_bench_table_arithmetic_on_a_synthetic_run():
     assert f["f"]["speedup"] == pytest.approx(f["f"]["tau"] * 500 / f["f"]["ms_per_forward"]), \
         "speedup must be tau times the baseline's ms per forward over the method's"
     text = format_tables(summarize(slow, ["ar", "f"], {}, 100.0), ["ar", "f"])
-    assert "f" + " " * 20 + "   666.7     400.0        2.67" in text, text
-    assert "ar" + " " * 19 + "   500.0         -        2.00" in text, text
+    assert "f" + " " * 20 + "   666.7        2.67    400.0      0.0    400.0      0.0" in text, text
+    assert "ar" + " " * 19 + "   500.0        2.00" + "        -" * 6 in text, text
 
 
 # ---------------------------------------------------------------- the shipped weights

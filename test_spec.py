@@ -538,9 +538,10 @@ def test_greedy_with_stop_token_stops_at_it():
     assert spec.token_ids == expect
 
 
-def test_each_step_records_the_time_its_proposal_took():
-    """Result.draft_seconds (what --bench's drafting column and --tree-size auto's draft time
-    read) holds one entry per step: the time inside propose(), not the target's forward."""
+def test_each_step_records_the_time_of_each_phase():
+    """Result.phase_seconds (what --bench's phase columns and --verbose read) holds one entry per
+    step and phase: the time inside propose() as drafting, the target's forward as forward, and
+    the phases together no more than the whole run."""
     import time
     from proposers import PromptLookupProposer
 
@@ -561,6 +562,12 @@ def test_each_step_records_the_time_its_proposal_took():
     assert len(out.draft_seconds) == len(out.accepted) > 1, "one drafting time per step"
     assert min(out.draft_seconds) >= 0.02, "each step's time must include its whole proposal"
     assert max(out.draft_seconds) < 0.1, "the target's forward must not count as drafting"
+    phases = out.phase_seconds
+    assert all(len(s) == len(out.accepted) for s in phases.values()), "one time per phase a step"
+    assert min(phases["forward"]) >= 0.1, "the forward must be timed as forward"
+    assert max(max(s) for p, s in phases.items() if p not in ("draft", "forward")) < 0.02, \
+        "neither the proposal nor the forward may count in another phase"
+    assert sum(map(sum, phases.values())) <= out.seconds
 
 
 # ---------------------------------------------------------------- sampling losslessness
