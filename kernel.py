@@ -268,13 +268,13 @@ def check_rows(model) -> list:
                 m.rows = 1
             notes.append(f"{kind} {I}x{O} in {str(dtype).removeprefix('torch.')}: a row among "
                          f"{n} differs from the row alone here; every row computed alone")
-    c, dtype = model.config, model.new_cache(1, 1).k.dtype     # the dtype attention runs in
+    c, k = model.config, model.new_cache(1, 1).k            # attention's dtype and device
     n = next((n for n in CHECK_SIZES for prefix in (70, 200) if attention_differs(
-        c.num_heads, c.num_kv_heads, c.head_dim, dtype, n, prefix, g)), None)
+        c.num_heads, c.num_kv_heads, c.head_dim, k.dtype, n, prefix, g, k.device)), None)
     if n is not None:
         for layer in model.layers:
             layer.attn.alone = True
-        notes.append(f"attention in {str(dtype).removeprefix('torch.')}: a tree node among {n} "
+        notes.append(f"attention in {str(k.dtype).removeprefix('torch.')}: a tree node among {n} "
                      f"differs from its path alone here; every query alone")
     return notes
 
@@ -288,19 +288,19 @@ def linear_differs(layer, n: int, g) -> bool:
                    for r in sorted({0, 1, n // 2, n - 1}))
 
 
-def attention_differs(H, K, D, dtype, n, prefix, g) -> bool:
+def attention_differs(H, K, D, dtype, n, prefix, g, device="cpu") -> bool:
     """Whether `attend` gives some node of a random n-node tree after `prefix` slots other bits
-    than the node alone over its path (`attend_alone`)."""
-    rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype)   # noqa: E731
+    than the node alone over its path (`attend_alone`), on the device."""
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)   # noqa: E731
     ancestors = torch.eye(n, dtype=torch.bool)                          # (n, n)
     for i in range(1, n):                               # a random parent among earlier nodes
         ancestors[i] |= ancestors[int(torch.randint(0, i, (), generator=g))]
     W = round_up(prefix + n)
     seen = torch.cat([torch.ones(n, prefix, dtype=torch.bool), ancestors,
-                      torch.zeros(n, W - prefix - n, dtype=torch.bool)], 1)    # (n, W)
+                      torch.zeros(n, W - prefix - n, dtype=torch.bool)], 1).to(device)  # (n, W)
     q, keys, values = 3 * rand(1, n, H, D), rand(1, K, W, D), with_ones(rand(1, K, W, D))
     together = attend(q, keys, values, seen, tail_slots(seen))          # (1, n, H, D)
-    picks = torch.tensor(sorted({0, 1, n // 2, n - 1}))
+    picks = torch.tensor(sorted({0, 1, n // 2, n - 1}), device=device)
     alone = attend_alone(q[:, picks], keys, values, seen[picks])
     return not torch.equal(alone, together[:, picks])
 
@@ -399,8 +399,8 @@ def step(model: "Llama", tokens, positions, k, v, start, mask):
 class Compiled(nn.Module):
     """A target (model.Llama's interface) whose steps run compiled: one graph per step size in
     `sizes` (1 for plain decoding, a method's tree size; a smaller call is padded to it) and
-    width attended (`cache_width` of the slots in use); prefills run eager. Its caches are `slots` slots wide (a run's most), or wider where
-    asked (a graph more per width then)."""
+    width attended (`cache_width` of the slots in use); prefills run eager. Its caches are
+    `slots` slots wide (a run's most), or wider where asked (a graph more per width then)."""
 
     def __init__(self, model: "Llama", sizes=(1,), slots: int = NARROWEST):
         super().__init__()
