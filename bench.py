@@ -300,7 +300,7 @@ def decode_all(prompts: list, decoders: dict, tokenizer) -> tuple:
                     r = decode(ids)
                     records.append(Record(m, p.id, p.category, turn, r.token_ids,
                                           r.target_forwards, r.seconds, r.accepted, T,
-                                          {p: sum(s) for p, s in r.phase_seconds.items()},
+                                          {ph: sum(s) for ph, s in r.phase_seconds.items()},
                                           r.depths))
                     answer = [t for t in r.token_ids if t not in tokenizer.stop_ids]
                     history += [("user", text), ("assistant", tokenizer.decode(answer))]

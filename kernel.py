@@ -19,7 +19,7 @@ plain decoding's very text, both must give the row the same bits. How each kerne
   - the compiled step (`step`): the same layers, attention with its gather made static.
 What is left to a library (that a row's bits within a call do not depend on the rows beside
 it, or on the call's size for attention and torch's kernels) is checked at start on the machine
-that runs (`check_rows`, a few milliseconds, nothing kept): where a kernel fails, the run
+that runs (`check_rows`, about 0.1 s, nothing kept): where a kernel fails, the run
 computes that kernel's rows alone, which is exact by construction, and `--verbose` says so.
 
 Dimensions: B batch, T new tokens (queries), H query heads, K key/value heads, G = H / K, D head
@@ -182,15 +182,15 @@ def whole_groups(x: torch.Tensor) -> torch.Tensor:
     return x if extra == 0 else F.pad(x, (0, 0, 0, extra))
 
 
-def tail_slots(mask: torch.Tensor):
+def tail_slots(mask: torch.Tensor, gather: bool = False):
     """What `attend` gathers for a (T, W) mask: None where every query's visible slots are the
     first ones (plain decoding, chains, prefill: the cache is their plain layout), where every
-    other query's visible slots past the shared blocks lie in the one block after them (a tree
-    that does not cross a block boundary: there its slots hold each node's plain layout in order,
-    unseen slots between them, whose zero weights add nothing to the block's sum; the check at
-    start tries it), or where the gathered part would span more than TAIL_BLOCKS blocks
-    (training's unrolled masks, which no other call must reproduce); else (shared, rows, slots,
-    seen): the first `shared` slots
+    other query's visible slots past the shared blocks lie in the one block after them and not
+    `gather` (a tree that does not cross a block boundary: there its slots hold each node's
+    plain layout in order, unseen slots between them, whose zero weights add nothing to the
+    block's sum where the library sums in order; the check at start tries it), or where the
+    gathered part would span more than TAIL_BLOCKS blocks (training's unrolled masks, which no
+    other call must reproduce); else (shared, rows, slots, seen): the first `shared` slots
     (whole blocks) every query sees in slot order; rows (Q,) the queries whose visible slots
     are not the first ones (a tree's nodes off its first path); slots (Q, R) the slot at each
     later position of their plain layouts, seen (Q, R) whether that position exists."""
@@ -201,7 +201,7 @@ def tail_slots(mask: torch.Tensor):
         return None
     shared = int(mask.all(0).long().cumprod(0).sum()) // SLOT_BLOCK * SLOT_BLOCK
     R = round_up(int(count[rows].max())) - shared
-    if R > TAIL_BLOCKS * SLOT_BLOCK or not mask[rows, shared + SLOT_BLOCK:].any():
+    if R > TAIL_BLOCKS * SLOT_BLOCK or not (gather or mask[rows, shared + SLOT_BLOCK:].any()):
         return None
     order = torch.sort((~mask[rows]).to(torch.uint8), dim=1, stable=True).indices  # seen first
     seen = torch.arange(shared, shared + R, device=mask.device) < count[rows, None]
@@ -269,14 +269,32 @@ def check_rows(model) -> list:
             notes.append(f"{kind} {I}x{O} in {str(dtype).removeprefix('torch.')}: a row among "
                          f"{n} differs from the row alone here; every row computed alone")
     c, k = model.config, model.new_cache(1, 1).k            # attention's dtype and device
-    n = next((n for n in CHECK_SIZES for prefix in (70, 200) if attention_differs(
-        c.num_heads, c.num_kv_heads, c.head_dim, k.dtype, n, prefix, g, k.device)), None)
-    if n is not None:
-        for layer in model.layers:
-            layer.attn.alone = True
-        notes.append(f"attention in {str(k.dtype).removeprefix('torch.')}: a tree node among {n} "
-                     f"differs from its path alone here; every query alone")
+    model.gather, alone, n = attention_route(c.num_heads, c.num_kv_heads, c.head_dim, k.dtype,
+                                             k.device)
+    for layer in model.layers:
+        layer.attn.alone = alone
+    kind = f"attention in {str(k.dtype).removeprefix('torch.')}: a tree node among {n} differs "
+    if alone:
+        notes.append(kind + "from its path alone here, gathered or not; every query alone")
+    elif model.gather:
+        notes.append(kind + "where its tree stays in one block (zero weights change a sum "
+                     "here); every tree's nodes gathered")
     return notes
+
+
+def attention_route(H, K, D, dtype, device="cpu") -> tuple:
+    """-> (gather, alone, n): the fastest of attention's routes that gives every tree node its
+    path's bits here at CHECK_SIZES after 70, 200 and 450 slots (one call, no gather inside a
+    block; one call, every off-path node gathered; each query alone), and the size at which
+    the faster one differed (None where the first holds)."""
+    g, first = torch.Generator().manual_seed(1), None
+    for gather in (False, True):
+        n = next((n for n in CHECK_SIZES for prefix in (70, 200, 450) if attention_differs(
+            H, K, D, dtype, n, prefix, g, device, gather)), None)
+        if n is None:
+            return gather, False, first
+        first = first or n
+    return True, True, first
 
 
 def linear_differs(layer, n: int, g) -> bool:
@@ -288,9 +306,9 @@ def linear_differs(layer, n: int, g) -> bool:
                    for r in sorted({0, 1, n // 2, n - 1}))
 
 
-def attention_differs(H, K, D, dtype, n, prefix, g, device="cpu") -> bool:
+def attention_differs(H, K, D, dtype, n, prefix, g, device="cpu", gather=False) -> bool:
     """Whether `attend` gives some node of a random n-node tree after `prefix` slots other bits
-    than the node alone over its path (`attend_alone`), on the device."""
+    than the node alone over its path (`attend_alone`), on the device (gather: `tail_slots`)."""
     rand = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)   # noqa: E731
     ancestors = torch.eye(n, dtype=torch.bool)                          # (n, n)
     for i in range(1, n):                               # a random parent among earlier nodes
@@ -299,7 +317,7 @@ def attention_differs(H, K, D, dtype, n, prefix, g, device="cpu") -> bool:
     seen = torch.cat([torch.ones(n, prefix, dtype=torch.bool), ancestors,
                       torch.zeros(n, W - prefix - n, dtype=torch.bool)], 1).to(device)  # (n, W)
     q, keys, values = 3 * rand(1, n, H, D), rand(1, K, W, D), with_ones(rand(1, K, W, D))
-    together = attend(q, keys, values, seen, tail_slots(seen))          # (1, n, H, D)
+    together = attend(q, keys, values, seen, tail_slots(seen, gather))  # (1, n, H, D)
     picks = torch.tensor(sorted({0, 1, n // 2, n - 1}), device=device)
     alone = attend_alone(q[:, picks], keys, values, seen[picks])
     return not torch.equal(alone, together[:, picks])

@@ -220,6 +220,7 @@ class Llama(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.rope = Rope(config)
+        self.gather = False     # gather a tree's nodes even inside one block: check_rows's route
 
     def forward(self, tokens, positions, cache: KVCache, mask=None, last_only=False,
                 project=True):
@@ -236,7 +237,7 @@ class Llama(nn.Module):
         if start + T > cache.slots:
             raise ValueError(f"KV cache full: {start} + {T} tokens > {cache.slots} slots")
         seen = attention_mask(start, T, mask, min(round_up(start + T), cache.slots), tokens.device)
-        tail = tail_slots(seen) if seen.dim() == 2 else None            # once for all layers
+        tail = tail_slots(seen, self.gather) if seen.dim() == 2 else None   # once for all layers
         x = self.embed(tokens)                                          # (B, T, C)
         cos, sin = self.rope(positions.expand(B, T), x.dtype)
         for i, layer in enumerate(self.layers):

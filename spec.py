@@ -57,14 +57,15 @@ def bench_config(args) -> BenchConfig:
                        args.draft, args.plot)
 
 
-def bench_decoder(args, method: str, loaded: tuple, gen: GenConfig, slots: int) -> tuple:
+def bench_decoder(args, safe: list, method: str, loaded: tuple, gen: GenConfig,
+                  slots: int) -> tuple:
     """For bench.run_bench: (prompt_ids -> Result, MB the method adds to the target, its
-    configuration in words). slots: the most a conversation needs (compiled: every graph it
-    needs is compiled before the timing starts)."""
+    configuration in words). safe: the check's reroutes (one check for every method); slots:
+    the most a conversation needs (compiled: every graph it needs is compiled before the
+    timing starts)."""
     path, target, tokenizer = loaded
     fast = method.endswith(COMPILED)
     method = method.removesuffix(COMPILED)
-    safe = exact_routes(target, fast)
     alone = f"; rows alone: {len(safe)} kernels" if safe else ""
     if method == "ar":
         plain = Compiled(target, slots=slots) if fast else target
@@ -92,8 +93,8 @@ def run(args) -> dict:
     # --compile: a short run first compiles, so that the printed tokens/s is the steady state
     warm = GenConfig(8, gen.temperature, gen.top_p, gen.seed)
     routes = exact_routes(target, args.compile)
-    for line in (routes or ["every kernel gives a row the same bits in any call here"]
-                 if args.verbose else ()):
+    checked = routes or ["every kernel the check tries gives a row the same bits in any call"]
+    for line in (checked if args.verbose else ()):
         print(f"exact: {line}", file=sys.stderr)
     if args.method == "ar":
         if args.compile:
@@ -441,8 +442,10 @@ def main(argv=None):
             report = verify_curve(target_config(args))
         elif args.bench:
             tables = sys.stderr if args.json == "-" else sys.stdout     # stdout: the JSON
-            report = run_bench(bench_config(args), partial(bench_decoder, args),
-                               load_target(target_config(args)), tables)
+            loaded = load_target(target_config(args))
+            safe = exact_routes(loaded[1], args.compile)     # before any method, once for all
+            report = run_bench(bench_config(args), partial(bench_decoder, args, safe), loaded,
+                               tables)
         else:
             report = run(args)
         if args.json == "-" or (args.verify_curve and not args.json):

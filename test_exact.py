@@ -14,8 +14,8 @@ import torch
 from verification import sample_at, uniform
 from methods import HEAD_KIND, build_proposer, exact_routes, load_target, room
 from checkpoint import load_model
-from kernel import (PREFILL_QUERIES, attend, attend_reference, attention_differs, check_rows,
-                    round_up, tail_slots, with_ones, with_prefix)
+from kernel import (PREFILL_QUERIES, attend, attend_alone, attend_reference, attention_differs,
+                    attention_route, check_rows, round_up, tail_slots, with_ones, with_prefix)
 from model import Llama, LlamaConfig, RMSNorm, Rope, apply_rope
 from quantize import FloatLinear, Int4Linear, Int8Linear, QuantizeError, as_float, quantize
 from decode import GenConfig, generate_ar, generate_spec
@@ -99,13 +99,12 @@ def test_attention_gives_a_tree_node_the_bits_plain_decoding_gives_it(dtype):
     the same query as plain decoding poses it: alone, its ancestors committed in order before
     it, stale slots after. Keys and values are the first slots of caches of other widths, as
     in decoding. float32 is the attention dtype of 16- and 32-bit models on CPU
-    (model.cache_dtype). Each tree size with the route the check at start takes for it (on
-    most machines one call for all nodes; where the library's rows depend on the call, each
-    node alone)."""
+    (model.cache_dtype). With the route the check at start takes here (one call for all
+    nodes; where zero weights change the library's sums, every node gathered; where its rows
+    depend on the call, each node alone)."""
     H, K, D, S = 9, 3, 64, 300
     g = torch.Generator().manual_seed(3)
-    by_node = {n: attention_differs(H, K, D, dtype, n, S, torch.Generator().manual_seed(n))
-             for n in (2, 5, 16, LARGEST_TREE)}
+    gather, each_alone, _ = attention_route(H, K, D, dtype)
     rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype)   # noqa: E731
 
     def in_cache(x: torch.Tensor, more: int) -> torch.Tensor:
@@ -122,7 +121,7 @@ def test_attention_gives_a_tree_node_the_bits_plain_decoding_gives_it(dtype):
                           torch.zeros(n, W - S - n, dtype=torch.bool)], 1)
         together = attend(q, in_cache(torch.cat([prefix_k, k, stale], 2), 64),
                           in_cache(with_ones(torch.cat([prefix_v, v, stale], 2)), 64), seen,
-                          tail_slots(seen), by_node[n])                 # (1, n, H, D)
+                          tail_slots(seen, gather), each_alone)         # (1, n, H, D)
         for node in range(n):
             path = mask[node].nonzero().squeeze(1)                       # ancestors, in order
             L = S + len(path)
@@ -142,13 +141,22 @@ def library_fails_attention_rows() -> str | None:
     g = torch.Generator().manual_seed(7)
     pad = lambda x: torch.nn.functional.pad(x, (0, 0, 0, -x.shape[-2] % 4))   # noqa: E731
     for W in (256, 320):
-        for a, b in ((torch.randn(1, 3, 100, 64, generator=g), torch.randn(1, 3, 64, W, generator=g)),
+        for a, b in ((torch.randn(1, 3, 100, 64, generator=g),
+                      torch.randn(1, 3, 64, W, generator=g)),
                      (torch.rand(1, 3, W // 64, 100, 64, generator=g),
                       torch.randn(1, 3, W // 64, 64, 65, generator=g))):
             alone = torch.cat([(pad(a[..., r:r + 1, :]) @ b)[..., :1, :] for r in range(100)], -2)
             if any(not torch.equal((pad(a[..., :m, :]) @ b)[..., :m, :], alone[..., :m, :])
                    for m in range(2, 100)):
                 return f"float32 matmul rows depend on the row count here (width {W})"
+    for n in (2, 3, 8, 13, 25, 41, 73):                 # a chain: no tree, no gather
+        for prefix in (10, 70, 200):
+            W = round_up(prefix + n)
+            seen = torch.arange(W)[None] < prefix + 1 + torch.arange(n)[:, None]   # (n, W)
+            q, keys = torch.randn(1, n, 9, 64, generator=g), torch.randn(1, 3, W, 64, generator=g)
+            values = with_ones(torch.randn(1, 3, W, 64, generator=g))
+            if not torch.equal(attend(q, keys, values, seen), attend_alone(q, keys, values, seen)):
+                return f"a chain's queries differ from each one alone here ({n} after {prefix})"
     w, v = torch.rand(4, 64, generator=g), torch.randn(64, 65, generator=g)
     some = torch.rand(64, generator=g) < 0.5                               # (64,) kept slots
     packed = torch.zeros(4, 64)
@@ -169,9 +177,23 @@ def test_one_call_attends_a_whole_tree_exactly_wherever_the_library_allows():
     if reason:
         pytest.skip(reason)
     g = torch.Generator().manual_seed(8)
-    bad = [(n, p) for n in range(2, 80, 3) for p in (10, 63, 70, 200, 300)
-           if attention_differs(9, 3, 64, torch.float32, n, p, g)]
-    assert bad == [], "(nodes, prefix) where a node's bits differ from its path alone"
+    for gather in (False, True):
+        bad = [(n, p) for n in range(2, 80, 3) for p in (10, 63, 70, 200, 300)
+               if attention_differs(9, 3, 64, torch.float32, n, p, g, gather=gather)]
+        assert bad == [], f"gather {gather}: (nodes, prefix) where a node differs from its path"
+
+
+def test_attention_takes_the_fastest_route_that_is_exact(monkeypatch):
+    """check_rows's choice among attention's routes: where trees inside one block differ
+    ungathered, every tree is gathered; where gathered ones differ too, each query alone."""
+    import kernel
+    for fails, route in (((), (False, False)), ((False,), (True, False)),
+                         ((False, True), (True, True))):
+        monkeypatch.setattr(kernel, "attention_differs",
+                            lambda H, K, D, dtype, n, prefix, g, device="cpu", gather=False:
+                            gather in fails and n == kernel.CHECK_SIZES[0])
+        gather, alone, n = kernel.attention_route(9, 3, 64, torch.float32)
+        assert (gather, alone) == route and n == (kernel.CHECK_SIZES[0] if fails else None)
 
 
 def test_attend_computes_plain_softmax_attention():
@@ -193,7 +215,7 @@ def test_attend_computes_plain_softmax_attention():
 
 
 def test_a_prefill_attends_as_the_formula():
-    """More queries than PREFILL_QUERIES go to SDPA (attention.attend_prefill): a prompt from slot 0,
+    """More queries than PREFILL_QUERIES go to SDPA (kernel.attend_prefill): a prompt from slot 0,
     and one after a cached prefix (a later turn), against the direct formula in float64."""
     H, K, D, T = 4, 2, 16, PREFILL_QUERIES + 5
     g = torch.Generator().manual_seed(6)
