@@ -150,9 +150,8 @@ def attend_prefill(q, keys, values, mask):
 
 
 def attend_alone(q, keys, values, mask):
-    """attend, each query computed alone over its visible slots gathered in slot order (its
-    plain layout), in a call of the shape plain decoding makes for it: exact by construction,
-    one call a query. Shapes as `attend`, mask (T, W)."""
+    """`attend` with each query alone over its visible slots in slot order (its plain layout),
+    in the call plain decoding makes for it: exact by construction. Shapes as `attend`."""
     rows = []
     for t in range(q.shape[1]):
         slots = mask[t].nonzero()[:, 0]                                 # (L,) in slot order
@@ -184,16 +183,15 @@ def whole_groups(x: torch.Tensor) -> torch.Tensor:
 
 def tail_slots(mask: torch.Tensor, gather: bool = False):
     """What `attend` gathers for a (T, W) mask: None where every query's visible slots are the
-    first ones (plain decoding, chains, prefill: the cache is their plain layout), where every
-    other query's visible slots past the shared blocks lie in the one block after them and not
-    `gather` (a tree that does not cross a block boundary: there its slots hold each node's
-    plain layout in order, unseen slots between them, whose zero weights add nothing to the
-    block's sum where the library sums in order; the check at start tries it), or where the
-    gathered part would span more than TAIL_BLOCKS blocks (training's unrolled masks, which no
-    other call must reproduce); else (shared, rows, slots, seen): the first `shared` slots
-    (whole blocks) every query sees in slot order; rows (Q,) the queries whose visible slots
-    are not the first ones (a tree's nodes off its first path); slots (Q, R) the slot at each
-    later position of their plain layouts, seen (Q, R) whether that position exists."""
+    first ones (plain decoding, chains, prefill: the cache is their plain layout); where, not
+    `gather`, the other queries see past the shared blocks only slots of the next block (a tree
+    inside one block: its slots hold each node's plain layout in order, unseen slots between,
+    whose zero weights add nothing to a sum taken in order; the check at start tries it); or
+    where the gathered part would span more than TAIL_BLOCKS blocks (training's unrolled masks,
+    which no other call must reproduce). Else (shared, rows, slots, seen): the first `shared`
+    slots (whole blocks) every query sees in slot order; rows (Q,) the queries whose visible
+    slots are not the first ones (a tree's nodes off its first path); slots (Q, R) the slot at
+    each later position of their plain layouts, seen (Q, R) whether that position exists."""
     T, W = mask.shape
     count = mask.sum(1)                                                 # (T,) visible slots
     rows = (mask != (torch.arange(W, device=mask.device) < count[:, None])).any(1).nonzero()[:, 0]
@@ -215,12 +213,10 @@ class RowCalls(nn.Module):
     (`in_calls`; 0: all rows in one call). `check_rows` may set rows to 1."""
     rows = 0
 
-    def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """(M, I) -> (M, O): one library call."""
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:     # (M, I) -> (M, O): a library call
         raise NotImplementedError
 
-    def sizes(self) -> tuple:
-        """(I, O, activations' dtype)."""
+    def sizes(self) -> tuple:                               # (I, O, activations' dtype)
         raise NotImplementedError
 
     def forward(self, x):
@@ -251,9 +247,9 @@ CHECK_SIZES = (3, 8, 13, 25, 41, 73)
 def check_rows(model) -> list:
     """The check at start, on the machine that runs: each kernel the target uses (a linear layer
     of each form and shape, attention) computes random rows in calls of several sizes
-    (CHECK_SIZES; a form with calls of fixed rows, one call) and a few of them alone. A kernel
-    whose rows differ computes every row alone from then on (rows = 1; attention's `alone`):
-    exact by construction, slower for trees. -> a line per kernel rerouted, what and why."""
+    (CHECK_SIZES; a form with calls of fixed rows, one call) and a few of them alone. A linear
+    form whose rows differ computes every row alone from then on (rows = 1), attention takes
+    its fastest exact route (`attention_route`). -> a line per kernel rerouted, what and why."""
     g = torch.Generator().manual_seed(0)
     groups = {}
     for m in model.modules():
@@ -274,11 +270,9 @@ def check_rows(model) -> list:
     for layer in model.layers:
         layer.attn.alone = alone
     kind = f"attention in {str(k.dtype).removeprefix('torch.')}: a tree node among {n} differs "
-    if alone:
-        notes.append(kind + "from its path alone here, gathered or not; every query alone")
-    elif model.gather:
-        notes.append(kind + "where its tree stays in one block (zero weights change a sum "
-                     "here); every tree's nodes gathered")
+    notes += ([kind + "from its path alone here, gathered or not; every query alone"] if alone
+              else [kind + "ungathered inside one block (zero weights change a sum here); every "
+                    "tree gathered"] if model.gather else [])
     return notes
 
 
