@@ -265,12 +265,11 @@ def check_rows(model) -> list:
             notes.append(f"{kind} {I}x{O} in {str(dtype).removeprefix('torch.')}: a row among "
                          f"{n} differs from the row alone here; every row computed alone")
     c, k = model.config, model.new_cache(1, 1).k            # attention's dtype and device
-    model.gather, alone, n = attention_route(c.num_heads, c.num_kv_heads, c.head_dim, k.dtype,
-                                             k.device)
-    for layer in model.layers:
-        layer.attn.alone = alone
+    model.gather, model.alone, n = attention_route(c.num_heads, c.num_kv_heads, c.head_dim,
+                                                   k.dtype, k.device)
     kind = f"attention in {str(k.dtype).removeprefix('torch.')}: a tree node among {n} differs "
-    notes += ([kind + "from its path alone here, gathered or not; every query alone"] if alone
+    notes += ([kind + "from its path alone here, gathered or not; every query alone"]
+              if model.alone
               else [kind + "ungathered inside one block (zero weights change a sum here); every "
                     "tree gathered"] if model.gather else [])
     return notes

@@ -198,7 +198,7 @@ def exact_routes(target, compiled: bool = False) -> list:
     take the same routes (prefills included) -> a line per kernel sent the safe route. Compiled
     attention has no such route: there a ValueError says so in one line."""
     lines = check_rows(target)
-    if compiled and target.layers[0].attn.alone:
+    if compiled and target.alone:
         raise ValueError("--compile: attention's rows depend on the call on this machine (the "
                          "check at start); run without --compile, which computes them alone")
     return lines

@@ -157,7 +157,6 @@ class Attention(nn.Module):
         # q, k and v fused into one matmul: at batch 1 every kernel launch costs.
         self.wqkv = nn.Linear(c.hidden_size, qkv, bias=c.attention_bias)
         self.wo = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
-        self.alone = False      # each query attended alone: kernel.check_rows's safe route
 
     def project(self, x, cos, sin) -> tuple:
         """x (B, T, C) -> q (B, T, H, D), k (B, K, T, D) rotated, v (B, K, T, D)."""
@@ -167,16 +166,16 @@ class Attention(nn.Module):
         qk = apply_rope(qkv[:, :, :H + K], cos, sin)                    # q and k in one go
         return qk[:, :, :H], qk[:, :, H:].transpose(1, 2), qkv[:, :, H + K:].transpose(1, 2)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, start, mask, tail=None):
+    def forward(self, x, cos, sin, k_cache, v_cache, start, mask, tail=None, alone=False):
         """x (B, T, C); k_cache (B, K, S, D), v_cache (B, K, S, D + 1) (see KVCache); mask (T, W)
-        or (B, 1, T, W) bool: which of the first W cache slots each new token sees; tail: see
-        `tail_slots`."""
+        or (B, 1, T, W) bool: which of the first W cache slots each new token sees; tail and
+        alone: see `tail_slots` and `attend`."""
         B, T, _ = x.shape
         q, k, v = self.project(x, cos, sin)
         k_cache[:, :, start:start + T] = k
         v_cache[:, :, start:start + T, :-1] = v                          # the ones stay
         W = mask.shape[-1]
-        y = attend(q, k_cache[:, :, :W], v_cache[:, :, :W], mask, tail, self.alone)  # (B,T,H,D)
+        y = attend(q, k_cache[:, :, :W], v_cache[:, :, :W], mask, tail, alone)   # (B, T, H, D)
         return self.wo(y.to(x.dtype).reshape(B, T, -1))                 # (B, T, C)
 
 
@@ -201,8 +200,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(c.hidden_size, c.rms_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, start, mask, tail=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, start, mask, tail)
+    def forward(self, x, cos, sin, k_cache, v_cache, start, mask, tail=None, alone=False):
+        x = x + self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, start, mask, tail, alone)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -220,7 +219,9 @@ class Llama(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.rope = Rope(config)
-        self.gather = False     # gather a tree's nodes even inside one block: check_rows's route
+        # attention's route, as kernel.check_rows chose it for this machine: a tree's nodes
+        # gathered even inside one block; each query attended alone
+        self.gather, self.alone = False, False
 
     def forward(self, tokens, positions, cache: KVCache, mask=None, last_only=False,
                 project=True):
@@ -241,7 +242,7 @@ class Llama(nn.Module):
         x = self.embed(tokens)                                          # (B, T, C)
         cos, sin = self.rope(positions.expand(B, T), x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], start, seen, tail)
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], start, seen, tail, self.alone)
         hidden = self.norm(x)
         logits = (self.lm_head(hidden[:, -1:] if last_only else hidden)  # (B, T or 1, V)
                   if project else None)
