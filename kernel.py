@@ -25,6 +25,8 @@ computes that kernel's rows alone, which is exact by construction, and `--verbos
 Dimensions: B batch, T new tokens (queries), H query heads, K key/value heads, G = H / K, D head
 dim, W cache slots read (whole blocks of SLOT_BLOCK), M rows of a linear call, I its inputs.
 """
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -49,9 +51,8 @@ def attention_mask(start: int, T: int, mask, width: int, device):
     """(T, width) or (B, 1, T, width) bool: which of the first `width` cache slots each of the T
     new tokens (written at slots start..start + T - 1) sees.
 
-    mask None: causal, each new token seeing the prefix [0, start) and the new tokens up to
-    itself; else (T, start + T) or (B, T, start + T) bool as the caller built it (a tree's
-    ancestors with `with_prefix`, a draft's tree in its own cache, a batch with padding).
+    mask None: causal; else (T, start + T) or (B, T, start + T) bool as the caller built it (a
+    tree's ancestors with `with_prefix`, a draft's tree in its own cache, a batch with padding).
     Slots from start + T up to width are seen by no one: attention reads whole blocks of slots
     (SLOT_BLOCK), whatever stale keys they hold."""
     if mask is None:
@@ -72,56 +73,30 @@ def with_prefix(mask: torch.Tensor, start: int) -> torch.Tensor:
     return torch.cat([prefix, mask], dim=1)
 
 
-def attend_reference(q, keys, values, mask):
-    """What `attend` computes, written directly: softmax(q k^T / sqrt(D)) v over the slots each
-    query sees, the G = H / K query heads of a KV head sharing it. Shapes as `attend`, but
-    values (B, K, W, D), without the column of ones."""
-    G = q.shape[2] // keys.shape[1]
-    k, v = keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1)    # (B, H, W, D)
-    scores = q.transpose(1, 2) @ k.transpose(-1, -2) * q.shape[-1] ** -0.5  # (B, H, T, W)
-    weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-    return (weights @ v).transpose(1, 2)                                # (B, T, H, D)
-
-
 def attend(q, keys, values, mask, tail=None, alone=False):
     """q (B, T, H, D), keys (B, K, W, D), values (B, K, W, D + 1) with a last column of ones (as
     KVCache holds them), mask (T, W) or (B, 1, T, W) -> (B, T, H, D). alone: every query of a
     (T, W) mask computed alone (`attend_alone`), the safe route `check_rows` may choose.
 
-    `attend_reference`'s softmax attention, computed in an order that gives a query the bits
-    plain decoding gives it, whatever else shares the call. A query's visible slots, in slot
-    order, are the sequence plain decoding attends over (its "plain layout"); the weighted sum
-    over them is taken in blocks of SLOT_BLOCK positions of that layout, one small matmul a
-    block, and the blocks are added in order.
+    Softmax attention, softmax(q k^T / sqrt(D)) v over the slots each query sees (test_exact's
+    oracle writes it so), summed in an order that gives a query plain decoding's bits whatever
+    else shares the call. A query's visible slots, in slot order, are the sequence plain
+    decoding attends over (its "plain layout"); the weighted sum over them is taken in blocks of
+    SLOT_BLOCK positions of that layout, one small matmul a block, added in order.
     Blocks of slots that every query sees in slot order are shared; the rest of a tree node's
     sequence (its ancestors, scattered among other nodes' slots) is gathered per node: `tail`
     (see `tail_slots`). The max is exact in any order, and exp runs on whole rows. The query
     heads of one KV head are stacked into one matrix (grouped-query attention)."""
     B, T, H, D = q.shape
-    K, W = keys.shape[1], keys.shape[2]
-    G = H // K
     if T > PREFILL_QUERIES and tail is None:
         return attend_prefill(q, keys, values, mask)
     if alone and T > 1 and mask.dim() == 2:
         return attend_alone(q, keys, values, mask)
-    # the G query heads of each KV head stacked: (B, H, T, D) -> (B, K, G * T, D)
-    q = (q * D ** -0.5).to(keys.dtype).transpose(1, 2).reshape(B, K, G * T, D)
-    scores = (whole_groups(q) @ keys.transpose(-1, -2))[:, :, :G * T]  # (B, K, GT, W)
-    scores = torch.where(mask.view(-1, 1, 1, T, W), scores.view(B, K, G, T, W), float("-inf"))
-    weights = (scores - scores.amax(-1, keepdim=True)).exp()           # (B, K, G, T, W)
-    if W % SLOT_BLOCK:      # a cache of another width (training): zero slots of weight 0, whose
-        weights = F.pad(weights, (0, -W % SLOT_BLOCK))   # missing ones therefore count nothing
-        values = F.pad(values, (0, 0, 0, -W % SLOT_BLOCK))
-        W = weights.shape[-1]
-    # the column of ones beside the values: each block's matmul also sums its weights
-    parts = block_sums(weights.reshape(B, K, G * T, W), values)        # (B, K, n, GT, D + 1)
+    weights, values, parts = slot_order_sums(q, keys, values, mask)    # parts (B, K, n, GT, E)
     if tail is not None:                    # the queries whose slots are not their layout
         shared, rows, slots, seen = tail                               # (Q,), (Q, R), (Q, R)
-        Q, first = rows.shape[0], shared // SLOT_BLOCK
-        w = weights[:, :, :, rows].gather(-1, slots.expand(B, K, G, Q, -1)) * seen   # (B,K,G,Q,R)
-        v = values.index_select(2, slots.flatten()).view(B, K, Q, -1, D + 1)    # (B, K, Q, R, D+1)
-        p = block_sums(w.transpose(2, 3), v)                           # (B, K, Q, m, G, D + 1)
-        p = p.permute(0, 1, 3, 4, 2, 5).reshape(B, K, -1, G * Q, D + 1)  # (B, K, m, GQ, D + 1)
+        first, G = shared // SLOT_BLOCK, weights.shape[2]
+        p = layout_sums(weights[:, :, :, rows], values, slots, seen)   # (B, K, m, GQ, E)
         p = F.pad(p, (0, 0, 0, 0, 0, parts.shape[2] - first - p.shape[2]))   # zero blocks after
         at = (torch.arange(G, device=rows.device)[:, None] * T + rows).flatten()  # their rows
         parts[:, :, first:] = parts[:, :, first:].index_copy(3, at, p)
@@ -129,6 +104,37 @@ def attend(q, keys, values, mask, tail=None, alone=False):
     total = parts.cumsum(2)[:, :, -1]                                   # (B, K, GT, D + 1)
     y = total[..., :D] / total[..., D:]
     return y.view(B, H, T, D).transpose(1, 2)                           # (B, T, H, D)
+
+
+def slot_order_sums(q, keys, values, mask) -> tuple:
+    """`attend`'s shared part: q (B, T, H, D), keys (B, K, W, D), values (B, K, W, E), mask
+    (T, W) or (B, 1, T, W) -> the queries' softmax weights before division (B, K, G, T, W'),
+    values (B, K, W', E), each block's weighted sums in slot order (B, K, n, GT, E), W' the
+    slots rounded up to whole blocks: zero slots of weight 0, which count nothing (training's
+    caches of other widths). The column of ones beside the values sums each block's weights."""
+    B, T, H, D = q.shape
+    K, W = keys.shape[1], keys.shape[2]
+    G = H // K
+    # the G query heads of each KV head stacked: (B, H, T, D) -> (B, K, G * T, D)
+    q = (q * D ** -0.5).to(keys.dtype).transpose(1, 2).reshape(B, K, G * T, D)
+    scores = (whole_groups(q) @ keys.transpose(-1, -2))[:, :, :G * T]  # (B, K, GT, W)
+    scores = torch.where(mask.view(-1, 1, 1, T, W), scores.view(B, K, G, T, W), float("-inf"))
+    weights = (scores - scores.amax(-1, keepdim=True)).exp()           # (B, K, G, T, W)
+    if W % SLOT_BLOCK:
+        weights = F.pad(weights, (0, -W % SLOT_BLOCK))                 # (B, K, G, T, W')
+        values = F.pad(values, (0, 0, 0, -W % SLOT_BLOCK))             # (B, K, W', E)
+    return weights, values, block_sums(weights.flatten(2, 3), values)
+
+
+def layout_sums(w, values, slots, seen) -> torch.Tensor:
+    """w (B, K, G, Q, W) some queries' weights, values (B, K, W, E), slots (Q, R) the slot at R
+    positions of each query's plain layout, seen (Q, R) whether the position exists -> the
+    weighted sums of each block of those positions (B, K, R / SLOT_BLOCK, G * Q, E)."""
+    B, K, G, Q, _ = w.shape
+    w = w.gather(-1, slots.expand(B, K, G, Q, -1)) * seen               # (B, K, G, Q, R)
+    v = values.index_select(2, slots.flatten()).view(B, K, Q, -1, values.shape[-1])  # (.., R, E)
+    p = block_sums(w.transpose(2, 3), v)                                # (B, K, Q, m, G, E)
+    return p.permute(0, 1, 3, 4, 2, 5).flatten(3, 4)                    # (B, K, m, GQ, E)
 
 
 def attend_prefill(q, keys, values, mask):
@@ -174,9 +180,8 @@ def block_sums(w, v) -> torch.Tensor:
 
 
 def whole_groups(x: torch.Tensor) -> torch.Tensor:
-    """(..., M, N) -> (..., M', N): M rounded up to whole groups of ROW_GROUP rows, the new rows
-    zero. CPU float matmuls (MKL) compute rows in groups of 4 and a remainder of 1-3 rows
-    another way, which rounds differently (tested)."""
+    """(..., M, N) -> (..., M', N): M rounded up to whole groups of ROW_GROUP rows, zero rows: CPU
+    float matmuls (MKL) compute a remainder of 1-3 rows another way, rounding differently."""
     extra = -x.shape[-2] % ROW_GROUP
     return x if extra == 0 else F.pad(x, (0, 0, 0, extra))
 
@@ -322,9 +327,10 @@ def attention_differs(H, K, D, dtype, n, prefix, g, device="cpu", gather=False) 
 # gpt-fast's design) whose shapes never change, so nothing recompiles: a fixed number of new
 # tokens (1, or a tree padded to one size: `pad_inputs`), a fixed cache width (the first
 # `cache_width(slots in use)` slots, a power of two: a graph each), the cache length a tensor.
-# Prefills stay eager. `attend_fixed` is `attend` with its data-dependent gather made static:
-# every query gathers a fixed window of TAIL_BLOCKS blocks of its plain layout, the blocks before
-# it shared, all added in one fixed order. Dimensions: T padded tokens, S slots, R window slots.
+# Prefills stay eager. `attend_fixed` is `attend` with its data-dependent gather made static (a
+# graph with it, a graph without, for chains and trees inside a block as in `attend`): every
+# query gathers a fixed window of TAIL_BLOCKS blocks of its plain layout, the blocks before it
+# shared, all added in one fixed order. Dimensions: T padded tokens, S slots, R window slots.
 
 WINDOW = TAIL_BLOCKS * SLOT_BLOCK        # R: slots a query gathers in its plain layout
 NARROWEST = 256                          # the smallest cache width attended
@@ -336,11 +342,10 @@ def cache_width(slots: int) -> int:
 
 
 def window(seen: torch.Tensor, start: torch.Tensor) -> tuple:
-    """seen (T, S) bool -> the window every query gathers: first () the first block it covers
-    (the block holding slot `start`), slots (T, R) the slots at positions first * SLOT_BLOCK +
-    0..R-1 of each query's plain layout (its visible slots in slot order), valid (T, R) whether
-    that position exists. Slots before the window are the committed prefix, seen by every query
-    in slot order: their blocks are shared."""
+    """seen (T, S) bool -> the window every query gathers: first () the block holding slot
+    `start` (the blocks before it, the committed prefix, are shared), slots (T, R) the slots at
+    positions first * SLOT_BLOCK + 0..R-1 of each query's plain layout, valid (T, R) whether
+    that position exists."""
     T, S = seen.shape
     first = start // SLOT_BLOCK
     span = first * SLOT_BLOCK + torch.arange(WINDOW, device=seen.device)       # (R,)
@@ -352,29 +357,17 @@ def window(seen: torch.Tensor, start: torch.Tensor) -> tuple:
 
 
 def attend_fixed(q, keys, values, seen, win):
-    """attend for fixed shapes: q (B, T, H, D), keys (B, K, S, D), values (B, K, S,
-    D + 1) with their column of ones, seen (T, S) bool, win from `window` -> (B, T, H, D).
-
-    A query's result: the blocks of SLOT_BLOCK positions of its plain layout, each one small
-    matmul, added in order; the blocks before the window come from the shared slot-order
-    matmul (the same numbers: there the plain layout is the slot order), the window's from its
-    gathered slots, the shared blocks from the window on counted as zero."""
+    """`attend` for fixed shapes: seen (T, S) bool, win from `window`, or None where each
+    query's plain layout is its slot order (zero-weight slots between); else the blocks before
+    the window come from the slot-order sums (there the plain layout is the slot order), the
+    window's from its gathered slots. Other shapes as `attend`'s."""
     B, T, H, D = q.shape
-    K, S = keys.shape[1], keys.shape[2]
-    G, E = H // K, D + 1
-    first, slots, valid = win
-    q = (q * D ** -0.5).to(keys.dtype).transpose(1, 2).reshape(B, K, G * T, D)
-    scores = (whole_groups(q) @ keys.transpose(-1, -2))[:, :, :G * T]  # (B, K, GT, S)
-    scores = torch.where(seen, scores.view(B, K, G, T, S), float("-inf"))
-    weights = (scores - scores.amax(-1, keepdim=True)).exp()           # (B, K, G, T, S)
-    shared = block_sums(weights.reshape(B, K, G * T, S), values)       # (B, K, n, GT, E)
-    before = torch.arange(S // SLOT_BLOCK, device=q.device) < first   # (n,)
-    shared = torch.where(before[:, None, None], shared, 0.0)
-    w = weights.gather(-1, slots.expand(B, K, G, T, WINDOW)) * valid   # (B, K, G, T, R)
-    v = values.index_select(2, slots.flatten()).view(B, K, T, WINDOW, E)
-    tail = block_sums(w.transpose(2, 3), v)                            # (B, K, T, m, G, E)
-    tail = tail.permute(0, 1, 3, 4, 2, 5).reshape(B, K, TAIL_BLOCKS, G * T, E)
-    parts = torch.cat([shared, tail], dim=2)                           # (B, K, n + m, GT, E)
+    weights, values, parts = slot_order_sums(q, keys, values, seen)    # parts (B, K, n, GT, E)
+    if win is not None:
+        first, slots, valid = win
+        before = torch.arange(parts.shape[2], device=q.device) < first  # (n,)
+        parts = torch.cat([torch.where(before[:, None, None], parts, 0.0),
+                           layout_sums(weights, values, slots, valid)], dim=2)  # (.., n + m, ..)
     total = parts[:, :, 0]
     for b in range(1, parts.shape[2]):          # in order: one sum, the same for every query
         total = total + parts[:, :, b]
@@ -382,18 +375,18 @@ def attend_fixed(q, keys, values, seen, win):
     return y.view(B, H, T, D).transpose(1, 2)                           # (B, T, H, D)
 
 
-def step(model: "Llama", tokens, positions, k, v, start, mask):
+def step(model: "Llama", tokens, positions, k, v, start, mask, gather: bool = True):
     """One decode step of fixed shapes, the graph torch.compile sees: tokens, positions (1, T)
     long, k and v each layer's cache, (1, K, S, D) and (1, K, S, D + 1) (written in place at
-    slots start..start + T - 1), start () long, mask (T, T) bool among the new tokens ->
-    logits (1, T, V), final hidden (1, T, C)."""
+    slots start..start + T - 1), start () long, mask (T, T) bool among the new tokens, gather
+    whether queries gather their window -> logits (1, T, V), final hidden (1, T, C)."""
     B, T = tokens.shape
     S = k[0].shape[2]
     at = start + torch.arange(T, device=tokens.device)                 # (T,) their slots
     rel = torch.arange(S, device=tokens.device) - start                # (S,) slot - start
     new = mask[:, rel.clamp(0, T - 1)] & (rel >= 0) & (rel < T)         # (T, S) among the new
     seen = new | (rel < 0)                                              # and the whole prefix
-    win = window(seen, start)                                           # once for all layers
+    win = window(seen, start) if gather else None                       # once for all layers
     x = model.embed(tokens)                                             # (B, T, C)
     cos, sin = model.rope(positions, x.dtype)
     for i, layer in enumerate(model.layers):
@@ -418,12 +411,11 @@ class Compiled(nn.Module):
         self.model, self.sizes, self.slots = model, sorted(set(sizes)), slots
         self.config, self.embed = model.config, model.embed     # what decoding reads of a target
         cuda = model.embed.weight.device.type == "cuda"
-        # a graph per (size, width), and every method of a bench shares them
+        # a graph per (size, width, gather), and every method of a bench shares them
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        # on a GPU the same graphs replay as CUDA graphs (no launch per kernel either).
-        # emulate_precision_casts: round every intermediate as eager does; else a fused kernel
-        # may skip a bfloat16 rounding, and the graphs of 1 and N tokens (fused differently
-        # from a few layers on) would give a row different bits
+        # on a GPU the graphs replay as CUDA graphs. emulate_precision_casts: round every
+        # intermediate as eager does; else a fused kernel may skip a bfloat16 rounding, and the
+        # graphs of 1 and N tokens (fused differently) would give a row different bits
         self.graph = torch.compile(step, fullgraph=True, dynamic=False,
                                    options={"emulate_precision_casts": True,
                                             "triton.cudagraphs": cuda})
@@ -434,14 +426,16 @@ class Compiled(nn.Module):
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Compile now every graph (size, width) its caches can need, so that no step of a run
-        stops to compile (minutes each the first time, seconds from torch's on-disk cache)."""
+        """Compile now every graph (size, width, gathering or not) its caches can need, so that
+        no step of a run stops to compile (minutes each the first time, seconds from torch's
+        on-disk cache). A step of one token never gathers."""
         cache, device = self.new_cache(), self.embed.weight.device
-        for width in self.widths():
-            for size in self.sizes:
-                cache.length = width - size                 # a step that fills the width
-                self(torch.zeros(1, size, dtype=torch.long, device=device),
-                     torch.arange(width - size, width, device=device)[None], cache)
+        for width, size, gather in itertools.product(self.widths(), self.sizes, (False, True)):
+            if size > 1 or not gather:
+                cache.length = width - size
+                positions = torch.arange(width - size, width, device=device)   # fills the width
+                self.run(torch.zeros(size, dtype=torch.long, device=device), positions,
+                         torch.ones(size, size, dtype=torch.bool).tril(), cache, gather)
 
     def new_cache(self, batch: int = 1, slots: int | None = None) -> "KVCache":
         # every cache as wide: a graph's input strides (and so the graph) depend on it too
@@ -454,17 +448,26 @@ class Compiled(nn.Module):
             return self.model(tokens, positions, cache, mask, last_only)
         tree = (torch.ones(n, n, dtype=torch.bool).tril() if mask is None
                 else mask[:, start:].cpu())                         # (n, n) among new tokens
+        chain = torch.equal(tree, torch.ones(n, n, dtype=torch.bool).tril())
+        # a tree inside one block of slots needs no gather where the check at start found so
+        gather = not chain and (self.model.gather or start % SLOT_BLOCK + n > SLOT_BLOCK)
         tokens, positions, tree = pad_inputs(tokens[0], positions[0], tree, size)
-        device, width = tokens.device, min(cache_width(start + size), cache.slots)
+        logits, hidden = self.run(tokens, positions, tree, cache, gather)
+        cache.length = start + n
+        logits = logits[:, n - 1:n] if last_only else logits[:, :n]
+        return logits, hidden[:, :n]                 # the pads' slots go with the rejected
+
+    def run(self, tokens, positions, tree, cache, gather: bool) -> tuple:
+        """The graph of tokens' size on tokens, positions (N,), tree (N, N) at the cache's end
+        (its length unchanged) -> logits (1, N, V), hidden (1, N, C)."""
+        start, size, device = cache.length, tokens.shape[0], tokens.device
+        width = min(cache_width(start + size), cache.slots)
         # each layer's cache a separate input, its first `width` slots (a view: written in
         # place); a write into a slice of one stacked tensor would copy the whole cache
         keys = [k[:, :, :width] for k in cache.k.unbind(0)]              # (1, K, width, D)
         values = [v[:, :, :width] for v in cache.v.unbind(0)]            # (1, K, width, D + 1)
-        logits, hidden = self.graph(self.model, tokens[None], positions[None], keys, values,
-                                    torch.tensor(start, device=device), tree.to(device))
-        cache.length = start + n
-        logits = logits[:, n - 1:n] if last_only else logits[:, :n]
-        return logits, hidden[:, :n]                 # the pads' slots go with the rejected
+        return self.graph(self.model, tokens[None], positions[None], keys, values,
+                          torch.tensor(start, device=device), tree.to(device), gather)
 
 
 class CompileError(ValueError):

@@ -14,7 +14,7 @@ import torch
 from verification import sample_at, uniform
 from methods import HEAD_KIND, build_proposer, exact_routes, load_target, room
 from checkpoint import load_model
-from kernel import (PREFILL_QUERIES, attend, attend_alone, attend_reference, attention_differs,
+from kernel import (PREFILL_QUERIES, attend, attend_alone, attention_differs,
                     attention_route, check_rows, round_up, tail_slots, with_ones, with_prefix)
 from model import Llama, LlamaConfig, RMSNorm, Rope, apply_rope
 from quantize import FloatLinear, Int4Linear, Int8Linear, QuantizeError, as_float, quantize
@@ -25,6 +25,17 @@ from tree import ancestor_mask, make_tree, positions
 
 LARGEST_TREE = 73            # --tree-size auto's 48 nodes, eagle2+ngram's 24 lookup tokens, root
 ROWS = (1, 2, 3, 4, 5, 8, 16, 41, LARGEST_TREE)
+
+
+def attend_reference(q, keys, values, mask):
+    """The oracle: what `attend` computes, written directly: softmax(q k^T / sqrt(D)) v over the
+    slots each query sees, the G = H / K query heads of a KV head sharing it. Shapes as
+    `attend`, but values (B, K, W, D), without the column of ones."""
+    G = q.shape[2] // keys.shape[1]
+    k, v = keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1)    # (B, H, W, D)
+    scores = q.transpose(1, 2) @ k.transpose(-1, -2) * q.shape[-1] ** -0.5  # (B, H, T, W)
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (weights @ v).transpose(1, 2)                                # (B, T, H, D)
 
 
 def same_rows(f, x: torch.Tensor) -> list:
