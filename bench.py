@@ -78,6 +78,7 @@ class Record:
     temperature: float = 0.0
     phase_seconds: dict = field(default_factory=dict)   # of `seconds`, by phase (decode.PHASES)
     depths: list = field(default_factory=list)      # per step: the tree's depth
+    drafted: list = field(default_factory=list)     # per step: the tree's nodes
 
 
 def read_bench(path: str, limit: int = 0, categories: str | None = None,
@@ -301,7 +302,7 @@ def decode_all(prompts: list, decoders: dict, tokenizer) -> tuple:
                     records.append(Record(m, p.id, p.category, turn, r.token_ids,
                                           r.target_forwards, r.seconds, r.accepted, T,
                                           {ph: sum(s) for ph, s in r.phase_seconds.items()},
-                                          r.depths))
+                                          r.depths, r.drafted))
                     answer = [t for t in r.token_ids if t not in tokenizer.stop_ids]
                     history += [("user", text), ("assistant", tokenizer.decode(answer))]
                 bar.update(1)
