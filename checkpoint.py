@@ -1,16 +1,19 @@
 """Hugging Face Llama checkpoints: config.json read into a LlamaConfig (refusing what the model
 cannot run), safetensors loaded into our Llama (q/k/v and gate/up fused, every tensor's name
 and shape checked), and our tensors named back as HF's for saving; the project's one writer of
-whole files (a temporary name, then renamed).
+whole files (a temporary name, then renamed); head folders (train_heads.py's, and published
+EAGLE-3 heads in SpecForge's format) read into heads.py's modules.
 """
 import json
 import os
 import uuid
+from dataclasses import asdict
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
+from heads import HeadConfig, build_head
 from model import Llama, LlamaConfig, LoadError, RopeScaling
 
 
@@ -55,26 +58,11 @@ def config_from_hf(hf: dict) -> LlamaConfig:
 
 
 def hf_tensor_shapes(c: LlamaConfig) -> dict:
-    """The tensors a HF Llama checkpoint must hold for this config, name -> shape."""
-    C, D = c.hidden_size, c.head_dim
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, C), "model.norm.weight": (C,)}
-    if not c.tie_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, C)
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (C,), p + "post_attention_layernorm.weight": (C,),
-                   p + "self_attn.q_proj.weight": (c.num_heads * D, C),
-                   p + "self_attn.k_proj.weight": (c.num_kv_heads * D, C),
-                   p + "self_attn.v_proj.weight": (c.num_kv_heads * D, C),
-                   p + "self_attn.o_proj.weight": (C, c.num_heads * D),
-                   p + "mlp.gate_proj.weight": (c.intermediate_size, C),
-                   p + "mlp.up_proj.weight": (c.intermediate_size, C),
-                   p + "mlp.down_proj.weight": (C, c.intermediate_size)}
-        if c.attention_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (c.num_heads * D,),
-                       p + "self_attn.k_proj.bias": (c.num_kv_heads * D,),
-                       p + "self_attn.v_proj.bias": (c.num_kv_heads * D,)}
-    return shapes
+    """The tensors a HF Llama checkpoint must hold for this config, name -> shape (o_proj's
+    bias, which a checkpoint may omit, left out)."""
+    with torch.device("meta"):
+        hf = to_hf_names(Llama(c, init=False).state_dict(), c)
+    return {k: tuple(v.shape) for k, v in hf.items() if not k.endswith("o_proj.bias")}
 
 
 def to_our_names(hf: dict, c: LlamaConfig) -> dict:
@@ -284,3 +272,134 @@ def place_folder(built: str, folder: str, aside: str) -> bool:
             except FileNotFoundError:      # another process moved it meanwhile
                 pass
     raise OSError(f"{folder}: could not be replaced")
+
+
+# ---------------------------------------------------------------- head folders (heads.py's)
+
+def read_head_config(folder: str) -> HeadConfig:
+    """A head folder's config.json (train_heads.py's, or a published EAGLE-3 head's); clear
+    errors for a folder that is not one."""
+    if not os.path.isfile(f"{folder}/config.json"):
+        raise LoadError(f"{folder}: no config.json; is this a folder written by train_heads.py?")
+    with open(f"{folder}/config.json") as f:
+        try:
+            config = json.load(f)
+            if set(config.get("architectures", [])) & set(EAGLE3_ARCHS):
+                return eagle3_config(config, folder)
+            if "kind" not in config:            # a whole model's HF config, a draft's say
+                raise TypeError("no 'kind': a model's config? a draft model goes to --draft; "
+                                "an exported EAGLE folder is for serving engines, --head takes "
+                                "the folder it was exported from")
+            if config["kind"] == "eagle":    # written before the field: those had the norm
+                config.setdefault("input_norm", True)
+            if config.pop("own_projection", False):
+                raise LoadError(f"{folder}/config.json: Medusa heads with projections of their "
+                                "own are not supported; train heads that share the target's")
+            # older versions wrote "taps": [] into every head; a non-empty one needs the fused
+            # features of --taps, deleted (measured, did not pay: docs/TRAINING.md)
+            if config.get("taps") and config["kind"] != "eagle3":
+                raise LoadError(f"{folder}/config.json: a {config['kind']} head that reads target "
+                                f"layers {config['taps']}; this version reads none")
+            return HeadConfig(**config)
+        except (json.JSONDecodeError, TypeError, KeyError) as e:
+            raise LoadError(f"{folder}/config.json: not a head config ({e})") from None
+
+
+EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+# flags of EAGLE-3's later variants, with the value that means the plain layer Eagle3Head computes
+EAGLE3_PLAIN = {"fc_norm": False, "norm_before_residual": False, "norm_before_fc": False,
+                "norm_output": True, "num_hidden_layers": 1}
+
+
+def eagle3_config(hf: dict, folder: str) -> HeadConfig:
+    """A published EAGLE-3 head's config.json (SpecForge's, vLLM's, SGLang's) -> HeadConfig."""
+    for flag, plain in EAGLE3_PLAIN.items() | {("target_hidden_size", hf.get("hidden_size"))}:
+        if hf.get(flag, plain) != plain:
+            raise LoadError(f"{folder}/config.json: {flag}={hf[flag]}, an EAGLE-3 variant this "
+                            f"code does not implement (only {flag}={plain})")
+    try:
+        layer = config_from_hf(hf | {"architectures": ["LlamaForCausalLM"]})
+    except LoadError as e:
+        raise LoadError(f"{folder}/config.json: {e}") from None
+    # SpecForge and SGLang name a layer by its output (hidden_states[L + 1]); vLLM's top-level
+    # field, like `taps`, by the layer the stream enters (hidden_states[L])
+    ids = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    taps = [i + 1 for i in ids] if ids else hf.get("eagle_aux_hidden_state_layer_ids") or []
+    return HeadConfig("eagle3", layer.hidden_size, layer.vocab_size,
+                      hf.get("draft_vocab_size", layer.vocab_size), layer=asdict(layer),
+                      taps=list(taps))
+
+
+def head_tensors(folder: str) -> tuple:
+    """-> (path, {name: tensor}) of the folder's model.safetensors, else pytorch_model.bin."""
+    path = f"{folder}/model.safetensors"
+    if not os.path.isfile(path) and os.path.isfile(f"{folder}/pytorch_model.bin"):
+        path = f"{folder}/pytorch_model.bin"
+        try:
+            tensors = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:                  # pickle and zip raise many kinds
+            raise LoadError(f"{path}: unreadable ({str(e).splitlines()[0][:120]})") from None
+        if isinstance(tensors, dict) and all(isinstance(t, torch.Tensor) for t in tensors.values()):
+            return path, tensors
+        raise LoadError(f"{path}: not a state dict of tensors")
+    try:
+        return path, load_file(path)
+    except (SafetensorError, OSError) as e:
+        raise LoadError(f"{path}: unreadable ({e})") from None
+
+
+def eagle3_tensors(t: dict, config: HeadConfig, path: str) -> dict:
+    """A published EAGLE-3 head's tensors (`midlayer.` or `layers.0.`, with or without `model.`;
+    separate q/k/v and gate/up) -> Eagle3Head's. embed_tokens is left out: drafting embeds with
+    the target's own (as SGLang does); t2d is d2t's inverse."""
+    t = {k.removeprefix("model.").replace("layers.0.", "midlayer.", 1): v for k, v in t.items()
+         if k.removeprefix("model.") not in ("embed_tokens.weight", "t2d")}
+    R, V = config.draft_vocab, config.vocab_size
+    d2t = t.pop("d2t", torch.zeros(R, dtype=torch.long))            # none: the identity
+    ids = d2t.long() + torch.arange(R) if d2t.shape == (R,) else None  # (R,) target ids
+    if ids is None or int(ids.min()) < 0 or int(ids.max()) >= V:
+        raise LoadError(f"{path}: d2t of shape {tuple(d2t.shape)} does not map {R} draft ids "
+                        f"into the vocabulary of {V}")
+    a, m = "midlayer.self_attn.", "midlayer.mlp."
+    try:
+        t[a + "wqkv.weight"] = torch.cat([t.pop(a + n + "_proj.weight") for n in "qkv"])
+        t[a + "wo.weight"] = t.pop(a + "o_proj.weight")
+        t[m + "w13.weight"] = torch.cat([t.pop(m + n + "_proj.weight") for n in ("gate", "up")])
+        t[m + "w2.weight"] = t.pop(m + "down_proj.weight")
+    except (KeyError, RuntimeError) as e:
+        raise LoadError(f"{path}: the tensor {e.args[0]!r} is missing or of the wrong shape") from None
+    return t | {"vocab_ids": ids}
+
+
+def fit(head: torch.nn.Module, tensors: dict, path: str) -> None:
+    """Load tensors into head; one line naming the first key missing, extra or misshapen."""
+    try:
+        missing, extra = head.load_state_dict(tensors, strict=False)
+    except RuntimeError as e:                   # a shape: torch's last line names the key
+        raise LoadError(f"{path}: {str(e).strip().splitlines()[-1].strip()}") from None
+    if missing or extra:
+        raise LoadError(f"{path}: {'no tensor' if missing else 'unexpected tensor'} "
+                        f"{(missing or extra)[0]!r} for its config.json")
+
+
+def load_head(folder: str, target, kind: str) -> tuple:
+    """-> (head in the target's dtype and device, HeadConfig); clear errors for a bad folder."""
+    config = read_head_config(folder)
+    if config.kind != kind:
+        raise LoadError(f"{folder}: holds a {config.kind} head, not {kind}")
+    config.check(target.config, folder)
+    path, tensors = head_tensors(folder)
+    if kind == "eagle3":
+        N = target.config.num_layers        # default: the stream entering 2, N/2 and N - 3
+        config.taps = config.taps or [2, N // 2, N - 3]
+        if max(config.taps) >= N or len(config.taps) != 3:
+            raise LoadError(f"{folder}/config.json: taps {config.taps}: not three of the "
+                            f"target's {N} layers")
+        tensors = eagle3_tensors(tensors, config, path)
+    # heads saved by older versions name their decoder layer "layer."
+    tensors = {("layers.0." + k.removeprefix("layer.") if k.startswith("layer.") else k): v
+               for k, v in tensors.items()}
+    head = build_head(config, tensors.get("vocab_ids", torch.zeros(config.draft_vocab)))
+    fit(head, tensors, path)
+    w = target.embed.weight
+    return head.to(w.device, w.dtype).eval(), config

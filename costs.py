@@ -68,7 +68,7 @@ class Priced:
 
     def __init__(self, proposer, sizer):
         self.proposer, self.sizer, self.prices = proposer, sizer, Prices()
-        self.max_nodes = proposer.max_nodes
+        self.max_nodes, self.taps = proposer.max_nodes, getattr(proposer, "taps", ())
         self.steps, self.since, self.k = 0, None, 0
 
     def start(self, prompt_ids: list, hidden=None) -> None:
@@ -149,16 +149,10 @@ def draft_costs(method: str, accuracy: list, measured_ms: float, measured_size: 
     return {n: measured_ms * levels[n] / levels[measured_size] for n in sizes}
 
 
+@torch.inference_mode()                 # timed as decoding runs: without autograd's bookkeeping
 def forward_costs(model, sizes, batch: int = 1, prefix: int = 128, repeats: int = 5) -> dict:
     """{k: median ms} of one forward over k new tokens per row (batch rows) after a prefix
-    (--verify-curve and the bench's plot)."""
-    times = forward_times(model, sizes, batch, prefix, repeats)
-    return {k: round(statistics.median(t) * 1000, 3) for k, t in times.items()}
-
-
-@torch.inference_mode()                 # timed as decoding runs: without autograd's bookkeeping
-def forward_times(model, sizes, batch: int = 1, prefix: int = 128, repeats: int = 5) -> dict:
-    """{k: [seconds of each repeat]} of one forward over k new tokens per row after a prefix.
+    (--verify-curve and the bench's plot).
 
     The sizes take turns, one forward each per round: a burst of load on this shared machine
     then slows one round of every size, not all repeats of one."""
@@ -176,4 +170,4 @@ def forward_times(model, sizes, batch: int = 1, prefix: int = 128, repeats: int 
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times[k].append(time.perf_counter() - t0)
-    return times
+    return {k: round(statistics.median(t) * 1000, 3) for k, t in times.items()}

@@ -39,10 +39,6 @@ class Result:
     phase_seconds: dict = field(default_factory=lambda: {p: [] for p in PHASES})
 
     @property
-    def draft_seconds(self) -> list:
-        return self.phase_seconds["draft"]
-
-    @property
     def tau(self) -> float:
         """New tokens per target forward (the bonus token counts: plain decoding has 1.00)."""
         return len(self.token_ids) / max(self.target_forwards, 1)
@@ -137,9 +133,10 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
     # plain decoding's last token comes from the context's last position: no more here either
     limit = min(gen.max_new_tokens, ctx - len(prompt_ids) + 1)
     result, t0 = Result(), time.perf_counter()
+    taps = getattr(proposer, "taps", ())       # the features an EAGLE-3 head reads
     logits, hidden = target(torch.tensor([prompt_ids], device=device),
                             torch.arange(len(prompt_ids), device=device)[None], cache,
-                            last_only=True)
+                            last_only=True, taps=taps)
     result.target_forwards = 1
     u = draws(gen, [len(prompt_ids)])                                 # the first new position
     root = int(next_tokens(logits[0, -1], gen.temperature, gen.top_p, u))
@@ -154,7 +151,8 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
         pos = positions(tree.depths, start)                                # (N,)
         seen = with_prefix(mask.to(device), start)
         t = lap(result, "tree", t)
-        logits, hidden = target(tree.tokens[None].to(device), pos[None].to(device), cache, seen)
+        logits, hidden = target(tree.tokens[None].to(device), pos[None].to(device), cache, seen,
+                                taps=taps)
         result.target_forwards += 1
         t = lap(result, "forward", t)
         accepted, bonus = verify(logits[0], tree, mask, pos, q, gen, generator)

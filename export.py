@@ -24,9 +24,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from checkpoint import (borrowed_embeddings, config_from_hf, folder_config, read_json, save_tensors,
-                        to_hf_names, to_our_names)
-from heads import EAGLE_ROPE_THETA, EagleHead, HeadConfig, load_head, read_head_config
+from checkpoint import (borrowed_embeddings, folder_config, load_head, read_head_config, read_json,
+                        save_tensors, to_hf_names)
+from heads import EAGLE_ROPE_THETA, EagleHead, HeadConfig
 from model import LlamaConfig, LoadError
 
 FORMATS = ("eagle", "hf")
@@ -170,27 +170,3 @@ def export_draft(draft_dir: str, target_folder: str, out: str, force: bool = Fal
         shutil.copytree(draft_dir, tmp, dirs_exist_ok=True)
         save_tensors(tensors, os.path.join(tmp, "model.safetensors"), {"format": "pt"})
     write_folder(out, fill)
-
-
-def read_eagle(folder: str) -> EagleHead:
-    """A folder export_head wrote, as our EagleHead in float32 over the whole vocabulary
-    (vocab_ids 0..V-1): the reload half of the round trip. (The EAGLE authors' own heads come
-    as pytorch_model.bin, without embed_tokens, sometimes without fc.bias: not read here.)"""
-    try:
-        with open(os.path.join(folder, "config.json")) as f:
-            hf = json.load(f)
-        tensors = load_file(os.path.join(folder, "model.safetensors"))
-    except (OSError, json.JSONDecodeError, SafetensorError) as e:
-        raise LoadError(f"{folder}: not an EAGLE folder ({e})") from None
-    hf = hf | {"architectures": ["LlamaForCausalLM"]}          # a head of a Llama, all the same
-    layer = replace(config_from_hf(hf), num_layers=1, tie_embeddings=True)
-    hf_names = {"model." + k: v for k, v in tensors.items() if k != "fc.weight" and k != "fc.bias"}
-    hf_names |= {"model.norm.weight": torch.ones(layer.hidden_size),
-                 "model.layers.0.input_layernorm.weight": torch.ones(layer.hidden_size)}
-    ours = to_our_names(hf_names, layer)
-    head = EagleHead(layer, torch.arange(layer.vocab_size))
-    state = {k: v for k, v in ours.items() if k.startswith("layers.0.") and "attn_norm" not in k}
-    state |= {"fc.weight": tensors["fc.weight"], "fc.bias": tensors["fc.bias"],
-              "vocab_ids": head.vocab_ids}
-    head.load_state_dict(state)
-    return head.float().eval()

@@ -17,8 +17,6 @@ from bench import jsonl_rows
 from checkpoint import save_tensors
 from model import KVCache, Llama
 
-
-
 SHARD_LINES = 256            # data lines per feature shard: the unit of resumption
 
 

@@ -10,7 +10,6 @@
 --small runs the same checks on the CPU with small shapes and few tokens (the suite runs it).
 """
 import argparse
-import copy
 import json
 import sys
 import time
@@ -21,22 +20,11 @@ from bench import machine_name
 from kernel import Compiled
 from costs import forward_costs
 from decode import GenConfig, generate_ar, generate_spec
-from methods import SHAPES, random_model
+from methods import random_model
 from model import Llama
 from proposers import DraftModelProposer
 
 PROMPT = list(range(10, 60))
-
-
-def tiny(name: str, dtype, device, layers: int | None) -> Llama:
-    """SHAPES[name] with random weights, cut to `layers` (--small: a graph compiles in seconds)."""
-    if layers is None:
-        return random_model(name, dtype, device)
-    config = copy.deepcopy(SHAPES[name])
-    config.num_layers = layers
-    torch.manual_seed(0)
-    with torch.device(device):
-        return Llama(config).to(dtype).eval()
 
 
 def exact(model: Llama, tokens: int, compiled: bool) -> dict:
@@ -80,10 +68,10 @@ def plain_speed(model: Llama, tokens: int) -> dict:
 
 
 def run(device: str, small: bool) -> dict:
-    layers, tokens = (2, 12) if small else (None, 64)
+    layers, tokens = (2, 12) if small else (0, 64)
     report = {"machine": machine_name(device), "torch": torch.__version__, "small": small}
     for dtype in (torch.float32, torch.bfloat16):
-        model = tiny("smollm2-135m-thin", dtype, device, layers)
+        model = random_model("smollm2-135m-thin", dtype, device, layers)
         # --small compiles bfloat16's graphs only: the same code, half the suite's minute
         both = not small or dtype != torch.float32
         report[f"exact_{str(dtype)[6:]}"] = exact(model, tokens, both)
@@ -91,12 +79,12 @@ def run(device: str, small: bool) -> dict:
     sizes = (1, 2, 4) if small else (1, 2, 4, 8, 16, 32, 64)
     # --small: the thin shape only (16 GB of random 8B weights are a GPU's check)
     for name in ("smollm2-135m-thin",) if small else ("smollm2-135m", "llama3-8b"):
-        shaped = tiny(name, torch.bfloat16, device, layers)
+        shaped = random_model(name, torch.bfloat16, device, layers)
         report[f"curve_{name}"] = forward_costs(shaped, sizes, repeats=3)
         print(f"verify curve, {name}: {report[f'curve_{name}']}", file=sys.stderr)
         del shaped                                   # the 8B's 16 GB, before the next
     big = "smollm2-135m-thin" if small else "llama3-8b"       # small: the graphs compiled above
-    big_model = model if small else tiny(big, torch.bfloat16, device, layers)
+    big_model = model if small else random_model(big, torch.bfloat16, device, layers)
     report[f"plain_{big}"] = plain_speed(big_model, tokens)
     print(f"plain decoding, {big}: {report[f'plain_{big}']}", file=sys.stderr)
     return report

@@ -1,30 +1,27 @@
-"""Draft heads that read the target's features (Medusa, EAGLE), their files, static trees from
-measured accuracies, and the expected speed of a tree size (--tree-size auto).
+"""Draft heads that read the target's features (Medusa, EAGLE, EAGLE-3), static trees from
+measured accuracies, and the expected speed of a tree size (--tree-size auto); their files are
+checkpoint.py's.
 
-Both predict over a reduced draft vocabulary: the R most frequent tokens of the target's own
-answers (EAGLE-3's trick), `vocab_ids` (R,) mapping them back to target ids. The projection is the
-target's own lm_head restricted to those rows, shared and frozen, so a head file holds only what
-the head adds.
+All predict over a reduced draft vocabulary: the R most frequent tokens of the target's own
+answers (EAGLE-3's trick), `vocab_ids` (R,) mapping them back to target ids. Medusa's and
+EAGLE's projection is the target's own lm_head restricted to those rows, shared and frozen, so a
+head file holds only what the head adds; an EAGLE-3 head has an lm_head of its own.
 
 Dimensions: B batch, T tokens, C hidden size, V target vocab, R draft vocab, M Medusa heads.
 """
 import heapq
-import json
-import os
 from dataclasses import asdict, dataclass, field
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 from torch import nn
 
 from kernel import attention_mask, round_up
-from model import Block, KVCache, LlamaConfig, LoadError, Rope, cache_dtype
+from model import MLP, Attention, Block, KVCache, LlamaConfig, LoadError, RMSNorm, Rope, cache_dtype
 
 
 @dataclass
 class HeadConfig:
-    kind: str                    # "eagle" or "medusa"
+    kind: str                    # "eagle", "eagle3" or "medusa"
     hidden_size: int             # C of the target the head was trained for
     vocab_size: int              # V of that target
     draft_vocab: int             # R, rows of the shared projection the head predicts over
@@ -33,6 +30,8 @@ class HeadConfig:
     accuracy: list = field(default_factory=list)  # [depth][rank] measured P(correct | path so far)
     input_norm: bool = False     # EAGLE: an RMS norm before the layer's attention (heads of
                                  # older versions, the shipped one too; EAGLE's layout has none)
+    taps: list = field(default_factory=list)      # EAGLE-3: the target layers whose input it
+                                 # reads (hidden_states indices); [] the default 2, N/2, N - 3
 
     def check(self, target: LlamaConfig, folder: str) -> None:
         if (self.hidden_size, self.vocab_size) != (target.hidden_size, target.vocab_size):
@@ -80,10 +79,55 @@ class EagleHead(nn.Module):
                                 w.device)
 
 
+class Eagle3Head(nn.Module):
+    """EAGLE-3 (Li et al. 2025, arXiv 2503.01840) in its authors' layout (SpecForge's
+    LlamaForCausalLMEagle3, whose names it keeps): fc fuses three of the target's features (the
+    residual stream entering three layers: Llama.forward's taps), 3C -> C; one decoder layer
+    whose attention reads [norm(embedding of the next token); norm(feature)] (2C) and whose
+    residual stream is the feature; its output g is the predicted next feature, fed back as it
+    is at later depths, and lm_head(norm(g)) scores its own draft vocabulary: draft id i is
+    target id vocab_ids[i] (i + the file's d2t[i])."""
+
+    def __init__(self, layer: LlamaConfig, vocab_ids: torch.Tensor, taps=()):
+        super().__init__()
+        C, eps = layer.hidden_size, layer.rms_eps
+        self.layer_config, self.taps = layer, tuple(taps)
+        self.fc = nn.Linear(3 * C, C, bias=False)
+        self.midlayer = m = nn.Module()
+        m.input_layernorm, m.hidden_norm = RMSNorm(C, eps), RMSNorm(C, eps)
+        m.self_attn, m.mlp = Attention(layer, 2 * C), MLP(layer)
+        m.post_attention_layernorm = RMSNorm(C, eps)
+        self.norm = RMSNorm(C, eps)
+        self.lm_head = nn.Linear(C, vocab_ids.shape[0], bias=False)
+        self.register_buffer("vocab_ids", vocab_ids.long())              # (R,)
+        self.rope = Rope(layer)
+
+    def forward(self, feats, embeds, positions, cache: KVCache, mask=None):
+        """feats (B, T, 3C) the target's taps, or (B, T, C) features the head predicted; the
+        rest as EagleHead's -> predicted next features (B, T, C)."""
+        B, T, C = embeds.shape
+        m, start = self.midlayer, cache.length
+        seen = attention_mask(start, T, mask, min(round_up(start + T), cache.slots), feats.device)
+        cos, sin = self.rope(positions.expand(B, T), feats.dtype)
+        g = self.fc(feats) if feats.shape[-1] != C else feats              # (B, T, C)
+        x = torch.cat([m.input_layernorm(embeds), m.hidden_norm(g)], -1)   # (B, T, 2C)
+        g = g + m.self_attn(x, cos, sin, cache.k[0], cache.v[0], start, seen)
+        cache.length = start + T
+        return g + m.mlp(m.post_attention_layernorm(g))
+
+    def projection(self) -> nn.Module:
+        """Its own scores over the draft vocabulary: a module C -> R."""
+        return nn.Sequential(self.norm, self.lm_head)
+
+    def new_cache(self, slots: int, batch: int = 1) -> KVCache:
+        w = self.norm.weight
+        return KVCache.allocate(self.layer_config, batch, slots, cache_dtype(w.dtype, w.device),
+                                w.device)
+
+
 class MedusaHeads(nn.Module):
     """Medusa (Cai et al. 2024): M residual blocks x + SiLU(W x) on the target's final feature;
     zero-initialized, so each starts as the target's own next-token head."""
-
 
     def __init__(self, hidden_size: int, num_heads: int, vocab_ids: torch.Tensor):
         super().__init__()
@@ -117,6 +161,8 @@ def projection(target, vocab_ids: torch.Tensor) -> nn.Linear:
 
 
 def build_head(config: HeadConfig, vocab_ids: torch.Tensor) -> nn.Module:
+    if config.kind == "eagle3":
+        return Eagle3Head(LlamaConfig(**config.layer), vocab_ids, config.taps)
     if config.kind == "eagle":
         return EagleHead(LlamaConfig(**config.layer), vocab_ids, config.input_norm)
     return MedusaHeads(config.hidden_size, config.num_heads, vocab_ids)
@@ -131,58 +177,6 @@ EAGLE_ROPE_THETA = 10000.0
 def eagle_layer_config(target: LlamaConfig) -> dict:
     """The head's decoder layer: the target's layer shape, one layer, EAGLE's plain RoPE."""
     return asdict(target) | {"num_layers": 1, "rope_theta": EAGLE_ROPE_THETA, "rope_scaling": None}
-
-
-# ---------------------------------------------------------------- files
-
-def read_head_config(folder: str) -> HeadConfig:
-    """A head folder's config.json; clear errors for a folder that is not one."""
-    for name in ("config.json", "model.safetensors"):
-        if not os.path.isfile(f"{folder}/{name}"):
-            raise LoadError(f"{folder}: no {name}; is this a folder written by train_heads.py?")
-    with open(f"{folder}/config.json") as f:
-        try:
-            config = json.load(f)
-            if "kind" not in config:            # a whole model's HF config, a draft's say
-                raise TypeError("no 'kind': a model's config? a draft model goes to --draft; "
-                                "an exported EAGLE folder is for serving engines, --head takes "
-                                "the folder it was exported from")
-            if config["kind"] == "eagle":    # written before the field: those had the norm
-                config.setdefault("input_norm", True)
-            if config.pop("own_projection", False):
-                raise LoadError(f"{folder}/config.json: Medusa heads with projections of their "
-                                "own are not supported; train heads that share the target's")
-            # older versions wrote "taps": [] into every head; a non-empty one needs the fused
-            # features of --taps, deleted (measured, did not pay: docs/TRAINING.md)
-            taps = config.pop("taps", [])
-            if taps:
-                raise LoadError(f"{folder}/config.json: the head reads target layers {taps}; "
-                                "this version reads no fused (EAGLE-3) features")
-            return HeadConfig(**config)
-        except (json.JSONDecodeError, TypeError) as e:
-            raise LoadError(f"{folder}/config.json: not a head config ({e})") from None
-
-
-def load_head(folder: str, target, kind: str) -> tuple:
-    """-> (head in the target's dtype and device, HeadConfig); clear errors for a bad folder."""
-    config = read_head_config(folder)
-    if config.kind != kind:
-        raise LoadError(f"{folder}: holds a {config.kind} head, not {kind}")
-    config.check(target.config, folder)
-    try:
-        tensors = load_file(f"{folder}/model.safetensors")
-    except (SafetensorError, OSError) as e:
-        raise LoadError(f"{folder}/model.safetensors: unreadable ({e})") from None
-    # heads saved by older versions name their decoder layer "layer."
-    tensors = {("layers.0." + k.removeprefix("layer.") if k.startswith("layer.") else k): v
-               for k, v in tensors.items()}
-    head = build_head(config, tensors.get("vocab_ids", torch.zeros(config.draft_vocab)))
-    try:
-        head.load_state_dict(tensors)
-    except RuntimeError as e:
-        raise LoadError(f"{folder}/model.safetensors does not fit its config.json: {e}") from None
-    w = target.embed.weight
-    return head.to(w.device, w.dtype).eval(), config
 
 
 # ---------------------------------------------------------------- static trees

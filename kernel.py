@@ -441,11 +441,11 @@ class Compiled(nn.Module):
         # every cache as wide: a graph's input strides (and so the graph) depend on it too
         return self.model.new_cache(batch, cache_width(max(slots or 0, self.slots)))
 
-    def forward(self, tokens, positions, cache, mask=None, last_only=False):
+    def forward(self, tokens, positions, cache, mask=None, last_only=False, taps=()):
         n, start = tokens.shape[1], cache.length
         size = next((s for s in self.sizes if s >= n), None)
-        if size is None:                                            # a prefill
-            return self.model(tokens, positions, cache, mask, last_only)
+        if size is None or taps:                    # a prefill; EAGLE-3's taps: not compiled
+            return self.model(tokens, positions, cache, mask, last_only, taps=taps)
         tree = (torch.ones(n, n, dtype=torch.bool).tril() if mask is None
                 else mask[:, start:].cpu())                         # (n, n) among new tokens
         chain = torch.equal(tree, torch.ones(n, n, dtype=torch.bool).tril())

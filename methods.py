@@ -5,7 +5,6 @@ that makes its proposer (spec.py and bench.py map their flags onto these datacla
     proposer, info = build_proposer(method_config("eagle2"), *target, slots)
 """
 import argparse
-import copy
 import json
 import os
 import sys
@@ -13,10 +12,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from checkpoint import load_model, read_json
+from checkpoint import load_head, load_model, read_head_config, read_json
 from costs import AUTO_MAX, Priced, Sizer
 from default_model import WEIGHTS, default_model_path
-from heads import best_paths, load_head, projection, read_head_config
+from heads import best_paths, projection
 from kernel import check_rows
 from model import Llama, LlamaConfig, LoadError, RopeScaling
 from proposers import (DraftConfig, DraftModelProposer, EagleProposer, LookupEagleProposer,
@@ -25,15 +24,17 @@ from quantize import convert, load_quantized, quantize
 from tokenizer import load_tokenizer
 from tree import static_tree
 
-METHODS = ["ar", "draft", "ngram", "medusa", "eagle", "eagle2", "eagle2+ngram"]
+METHODS = ["ar", "draft", "ngram", "medusa", "eagle", "eagle2", "eagle2+ngram", "eagle3"]
 # (depth, top-k, tree size) per method, measured (docs/RESULTS.md): auto beat every fixed tree
 # size tried for the head methods; with 5-node trees a 4th EAGLE-2 round rarely pays; ngram's 3
 # is its most tokens (a match of n of ngram_max tokens drafts n / ngram_max of them); the
 # distilled draft's second token is accepted in 9% of steps, for a forward of its own each
 TREE_DEFAULTS = {"draft": (1, 1, 0), "ngram": (3, 1, 0), "medusa": (4, 1, "auto"),
                  "eagle": (5, 1, "auto"), "eagle2": (3, 4, "auto"),
-                 "eagle2+ngram": (3, 4, "auto")}
-HEAD_KIND = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle", "eagle2+ngram": "eagle"}
+                 "eagle2+ngram": (3, 4, "auto"), "eagle3": (3, 4, "auto")}
+HEAD_KIND = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle", "eagle2+ngram": "eagle",
+             "eagle3": "eagle3"}
+GROWN = ("eagle2", "eagle3")             # EAGLE-2's dynamic tree (eagle3: an EAGLE-3 head's)
 # eagle2+ngram's lookup branch, scaled by the match (2, 4 or 6 tokens after a match of 1, 2 or
 # 3): 6 measured best of 3, 6, 12 and 24 (docs/RESULTS.md)
 LOOKUP_DEPTH = 6
@@ -162,15 +163,17 @@ SHAPES = {
 }
 
 
-def random_model(name: str, dtype=torch.float32, device="cpu") -> Llama:
-    """A Llama of a known shape (SHAPES) with nn's default random init, built on the device."""
+def random_model(name: str, dtype=torch.float32, device="cpu", layers: int = 0) -> Llama:
+    """A Llama of a known shape (SHAPES) with nn's default random init (seed 0), built on the
+    device; layers: cut to that many (0: all)."""
     if name not in SHAPES:
         raise LoadError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}")
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)          # built in dtype: 8B in fp32 first would need 32 GB
+    torch.manual_seed(0)
     try:
         with torch.device(device):
-            model = Llama(copy.deepcopy(SHAPES[name]))
+            model = Llama(replace(SHAPES[name], num_layers=layers or SHAPES[name].num_layers))
     finally:
         torch.set_default_dtype(default)
     return model.to(device).eval()                   # the RoPE tables were built on the CPU
@@ -264,15 +267,19 @@ def build_head(mc: MethodConfig, target, slots: int, extra: int = 0) -> tuple:
     head, config = load_head(folder, target, kind)
     params = sum(p.numel() for p in head.parameters())
     head = quantize(head, draft_form(mc, head), rows=False)
-    proj = draft_projection(mc, target, head.vocab_ids)
+    proj = (head.projection() if kind == "eagle3" else    # its own, else the target's rows
+            draft_projection(mc, target, head.vocab_ids))
     # measured P(rank r right | path right) by depth; EAGLE-2 only ever drafts ranks < top_k
-    accuracy = [row[:mc.top_k] if mc.method == "eagle2" else row for row in
+    accuracy = [row[:mc.top_k] if mc.method in GROWN else row for row in
                 config.accuracy[:mc.depth]]
     # compiled, a tree is padded to one size: auto's prices would be flat, so a fixed size
     auto = mc.tree_size == "auto" and not mc.compile
     fixed = COMPILED_NODES if mc.compile and mc.tree_size == "auto" else mc.tree_size
     most = per_step_most(mc.depth, mc.top_k)
-    if mc.method == "eagle2":
+    if auto and not accuracy:
+        raise ValueError(f"{folder} records no measured accuracy, which --tree-size auto prices "
+                         f"trees with; give --tree-size N")
+    if mc.method in GROWN:
         rule = SizeRule(most, accuracy) if auto else None
         size = most if auto else min(fixed or mc.depth * mc.top_k, most)  # 0: as --help says
         proposer = EagleProposer(target, head, DraftConfig(mc.depth, mc.top_k, size, rule), slots,
@@ -286,7 +293,7 @@ def build_head(mc: MethodConfig, target, slots: int, extra: int = 0) -> tuple:
                     EagleProposer(target, head, DraftConfig(mc.depth), slots, tree, proj=proj))
         rule = None
     sizer = Sizer(mc.method, accuracy, mc.depth, extra, rule, mc.verbose) if auto else None
-    memory = module_bytes(head) + module_bytes(proposer.proj)
+    memory = module_bytes(head) + module_bytes(proposer.proj) * (kind != "eagle3")
     return proposer, sizer, {"draft": folder, "draft_params": params,
                              "draft_memory_mb": round(memory / 2**20, 1),
                              "tree_size": "auto" if auto else size}
@@ -331,6 +338,9 @@ def head_folder(heads, kind: str) -> str:
     chosen = [f for f in heads if read_head_config(f).kind == kind]
     if len(chosen) > 1:
         raise ValueError(f"--head: {' and '.join(chosen)} all hold {kind} heads; give one")
+    if not chosen and kind == "eagle3":
+        raise ValueError("--method eagle3: no EAGLE-3 head is shipped yet; give one with --head "
+                         "DIR (a published EAGLE-3 head for this target)")
     return chosen[0] if chosen else os.path.join(WEIGHTS, f"smollm2-135m-{kind}")
 
 
@@ -338,6 +348,8 @@ def check_heads(heads, methods: list) -> None:
     """Each head folder must be read by one of the methods: a head given for nothing is a
     mistake (a typo in --methods, or the wrong folder), not something to ignore."""
     kinds = {HEAD_KIND[m] for m in methods if m in HEAD_KIND}
+    for kind in kinds:
+        head_folder(heads, kind)                        # one head a kind, and one for eagle3
     for folder in heads:
         kind = read_head_config(folder).kind
         if kind not in kinds:
@@ -361,11 +373,12 @@ def tree_budget(mc: MethodConfig) -> int:
 def describe(mc: MethodConfig, info: dict) -> str:
     """The method's configuration in words, for the bench's tables."""
     size = info.get("tree_size") or mc.tree_size or mc.depth * mc.top_k
-    nodes = "size per step" if info.get("per_step") else f"{size} nodes"
+    nodes = f"{size} nodes"
     shape = f"{mc.depth} x top-{mc.top_k}"
     return {"eagle2+ngram": f"{shape}, {nodes} + lookup <= {LOOKUP_DEPTH} (1 round after a "
                             "full match)",
             "ngram": f"chain of <= {mc.depth}, by match", "eagle2": f"{shape}, {nodes}",
+            "eagle3": f"{shape}, {nodes}",
             "medusa": f"{size}-node tree", "eagle": f"{size}-node tree"}.get(
         mc.method, f"chain of {mc.depth}")
 

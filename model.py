@@ -50,6 +50,8 @@ class LlamaConfig:
     attention_bias: bool = False       # q/k/v/o biases; a checkpoint may omit o's (then zero)
 
     def __post_init__(self):
+        if isinstance(self.rope_scaling, dict):            # from asdict (a head's config)
+            self.rope_scaling = RopeScaling(**self.rope_scaling)
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // self.num_heads
         if self.num_heads % self.num_kv_heads:
@@ -150,12 +152,13 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, c: LlamaConfig):
+    def __init__(self, c: LlamaConfig, width: int = 0):
+        """width: of its input, where not the hidden size (EAGLE-3's layer reads 2C)."""
         super().__init__()
         self.c = c
         qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         # q, k and v fused into one matmul: at batch 1 every kernel launch costs.
-        self.wqkv = nn.Linear(c.hidden_size, qkv, bias=c.attention_bias)
+        self.wqkv = nn.Linear(width or c.hidden_size, qkv, bias=c.attention_bias)
         self.wo = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
 
     def project(self, x, cos, sin) -> tuple:
@@ -224,8 +227,10 @@ class Llama(nn.Module):
         self.gather, self.alone = False, False
 
     def forward(self, tokens, positions, cache: KVCache, mask=None, last_only=False,
-                project=True):
-        """tokens, positions (B, T) long -> logits (B, T or 1, V), final hidden (B, T, C).
+                project=True, taps=()):
+        """tokens, positions (B, T) long -> logits (B, T or 1, V), final hidden (B, T, C), or
+        where `taps` names layers, the residual streams entering them side by side (B, T, 3C
+        for EAGLE-3's three: a head's features; the final hidden is then not needed).
 
         The T tokens are written to cache slots [cache.length, cache.length + T) and the length
         moves past them. `mask` (T, length + T) bool, or (B, T, length + T) for a batch, says which
@@ -241,13 +246,15 @@ class Llama(nn.Module):
         tail = tail_slots(seen, self.gather) if seen.dim() == 2 else None   # once for all layers
         x = self.embed(tokens)                                          # (B, T, C)
         cos, sin = self.rope(positions.expand(B, T), x.dtype)
+        tapped = []
         for i, layer in enumerate(self.layers):
+            tapped += [x] if i in taps else []
             x = layer(x, cos, sin, cache.k[i], cache.v[i], start, seen, tail, self.alone)
         hidden = self.norm(x)
         logits = (self.lm_head(hidden[:, -1:] if last_only else hidden)  # (B, T or 1, V)
                   if project else None)
         cache.length = start + T
-        return logits, hidden
+        return logits, torch.cat(tapped, -1) if taps else hidden
 
     def new_cache(self, batch: int = 1, slots: int | None = None) -> KVCache:
         w = self.embed.weight

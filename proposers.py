@@ -246,6 +246,7 @@ class EagleProposer:
         self.slots, self.device = slots, target.embed.weight.device
         self.proj = proj if proj is not None else projection(target, head.vocab_ids)
         self.vocab_ids = head.vocab_ids.cpu()
+        self.taps = getattr(head, "taps", ())       # the target's features it reads (EAGLE-3)
         # EAGLE-2 feeds `depth` rounds before it keeps `total` nodes: room for the deeper
         self.max_nodes = (static.parents.shape[0] if static is not None else
                           max(config.total, config.depth) + 1)
@@ -368,7 +369,7 @@ class LookupEagleProposer:
     FULL_MATCH_ROUNDS = 1
 
     def __init__(self, eagle: EagleProposer, lookup: PromptLookupProposer):
-        self.eagle, self.lookup = eagle, lookup
+        self.eagle, self.lookup, self.taps = eagle, lookup, eagle.taps
         self.max_nodes = eagle.max_nodes + lookup.depth
 
     def start(self, prompt_ids: list, hidden=None) -> None:

@@ -187,7 +187,8 @@ def decoding_flags(p) -> None:
                         "ngram = prompt lookup (the continuation of an earlier match), medusa = "
                         "Medusa heads, eagle = EAGLE head with a static tree, eagle2 = EAGLE head "
                         "with EAGLE-2's dynamic tree, eagle2+ngram = that tree plus the prompt "
-                        "lookup chain as one more branch (default: ar)")
+                        "lookup chain as one more branch, eagle3 = EAGLE-2's tree drafted by an "
+                        "EAGLE-3 head (--head) (default: ar)")
     p.add_argument("--prompt", help="the user message (or raw text; default: " +
                    repr(DEFAULT_PROMPT) + ")")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, no chat template")
@@ -226,9 +227,8 @@ def model_flags(p) -> None:
                                    "--verify-curve also random:SHAPE, random weights of a known "
                                    "shape (" + ", ".join(SHAPES) + ")")
     p.add_argument("--cache-dir", help="where the default model is converted to, with its "
-                                       "packed form and --tree-size auto's timings, each made "
-                                       "once (default: $SPEC_CACHE_DIR or "
-                                       "~/.cache/spec-decode)")
+                                       "packed form, each made once (default: $SPEC_CACHE_DIR "
+                                       "or ~/.cache/spec-decode)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"],
                    default="bfloat16", help="activations dtype, and the weights' where they stay "
                    "float (bfloat16: fast on CPU, and the one dtype torch's int4/int8 CPU "
@@ -264,13 +264,14 @@ def draft_flags(p) -> None:
     p.add_argument("--head", action="append", default=[], metavar="DIR",
                    help="trained head folder (train_heads.py's --out), used by the methods of "
                         "the kind it holds: EAGLE for eagle, eagle2 and eagle2+ngram, Medusa "
-                        "for medusa; give it twice for both (default: the weights shipped in "
-                        "weights/ for the default model)")
+                        "for medusa, EAGLE-3 (ours, or a published one: SpecForge's format) for "
+                        "eagle3; once per kind (default: the weights shipped in weights/ for "
+                        "the default model)")
     p.add_argument("--num-speculative-tokens", type=int,
                    help="draft depth: tokens proposed along each path per step (default per "
                         "method: " + ", ".join(f"{m} {d[0]}" for m, d in TREE_DEFAULTS.items()) + ")")
     p.add_argument("--draft-top-k", type=int,
-                   help="eagle2, eagle2+ngram: children per expanded draft node (default " +
+                   help="eagle2, eagle2+ngram, eagle3: children per expanded draft node (default " +
                         str(TREE_DEFAULTS["eagle2"][1]) + ")")
     p.add_argument("--tree-size", type=tree_size,
                    help="medusa, eagle, eagle2, eagle2+ngram: draft nodes verified per step "
@@ -347,6 +348,9 @@ def check_flags(p, args) -> None:
 
 def check_together(p, args) -> None:
     """Flags that make no sense with or without --bench."""
+    if args.compile and "eagle3" in ((args.methods or "").split(",") + [args.method]):
+        p.error("--compile: eagle3's head reads three of the target's layers, which the "
+                "compiled step does not return yet; run eagle3 without --compile")
     if args.bench:
         alone = [f for f, v in (("--method", args.method), ("--prompt", args.prompt),
                                 ("--raw", args.raw or None),
@@ -378,7 +382,8 @@ def check_together(p, args) -> None:
         p.error("--show-tree draws the draft trees of a speculative --method; ar has none")
     for flag, value, methods in (("--num-speculative-tokens", args.num_speculative_tokens,
                                   METHODS[1:]),
-                                 ("--draft-top-k", args.draft_top_k, ["eagle2", "eagle2+ngram"]),
+                                 ("--draft-top-k", args.draft_top_k, ["eagle2", "eagle2+ngram",
+                                                                      "eagle3"]),
                                  ("--tree-size", args.tree_size, list(HEAD_KIND)),
                                  ("--ngram-max", args.ngram_max, ["ngram", "eagle2+ngram"]),
                                  ("--draft", args.draft, ["draft"])):

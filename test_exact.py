@@ -461,7 +461,8 @@ SHORT = "What is the capital of France?"          # an answer that ends inside t
 # passed).
 FULL = os.environ.get("SPEC_FULL") == "1"
 METHODS = ["draft", "ngram", "medusa", "eagle", "eagle2", "eagle2+ngram"]
-HEADS = list(HEAD_KIND)                          # the methods whose trees --tree-size shapes
+# the methods whose trees --tree-size shapes (eagle3, which has no head shipped yet: test_eagle3)
+HEADS = [m for m in HEAD_KIND if m != "eagle3"]
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,17 @@
 """Tests of the export to the EAGLE format, against the EAGLE authors' own code (eagle-llm)."""
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from checkpoint import config_from_hf, load_head, to_our_names
 from default_model import WEIGHTS
-from export import check_export, export_head, read_eagle
-from heads import EagleHead, HeadConfig, eagle_layer_config, load_head
+from export import check_export, export_head
+from heads import EagleHead, HeadConfig, eagle_layer_config
 from model import KVCache, LlamaConfig, LoadError
 from test_spec import default_path, tiny_model  # noqa: F401 (default_path is a fixture)
 
@@ -16,6 +19,30 @@ import features
 import train_heads
 
 transformers = pytest.importorskip("transformers")
+
+
+def read_eagle(folder: str) -> EagleHead:
+    """A folder export_head wrote, as our EagleHead in float32 over the whole vocabulary
+    (vocab_ids 0..V-1): the reload half of the round trip. (The EAGLE authors' own heads come
+    as pytorch_model.bin, without embed_tokens, sometimes without fc.bias: not read here.)"""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            hf = json.load(f)
+        tensors = load_file(os.path.join(folder, "model.safetensors"))
+    except (OSError, json.JSONDecodeError, SafetensorError) as e:
+        raise LoadError(f"{folder}: not an EAGLE folder ({e})") from None
+    hf = hf | {"architectures": ["LlamaForCausalLM"]}          # a head of a Llama, all the same
+    layer = replace(config_from_hf(hf), num_layers=1, tie_embeddings=True)
+    hf_names = {"model." + k: v for k, v in tensors.items() if k != "fc.weight" and k != "fc.bias"}
+    hf_names |= {"model.norm.weight": torch.ones(layer.hidden_size),
+                 "model.layers.0.input_layernorm.weight": torch.ones(layer.hidden_size)}
+    ours = to_our_names(hf_names, layer)
+    head = EagleHead(layer, torch.arange(layer.vocab_size))
+    state = {k: v for k, v in ours.items() if k.startswith("layers.0.") and "attn_norm" not in k}
+    state |= {"fc.weight": tensors["fc.weight"], "fc.bias": tensors["fc.bias"],
+              "vocab_ids": head.vocab_ids}
+    head.load_state_dict(state)
+    return head.float().eval()
 
 
 def saved_head(folder, target, seed=0, **config) -> EagleHead:

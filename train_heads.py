@@ -32,21 +32,19 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from checkpoint import load_model, save_tensors, to_hf_names, write_json
+from checkpoint import (load_head, load_model, read_head_config, read_json, save_tensors,
+                        to_hf_names, write_json)
 from default_model import default_model_path
 from export import FORMATS, check_export, export_draft, export_head
 from features import (draft_vocabulary, extract_features, load_features, make_batch,
                       read_conversations, templated_prompts)
-from heads import (EAGLE_ROPE_THETA, HeadConfig, build_head, eagle_layer_config, load_head,
-                   projection_rows, read_head_config)
+from heads import EAGLE_ROPE_THETA, HeadConfig, build_head, eagle_layer_config, projection_rows
 from methods import DRAFT_VOCAB, parse_flags
 from model import Llama, LlamaConfig
 from proposers import DraftModelProposer
 from tokenizer import load_tokenizer
 from training import (CHECKPOINT, UNROLL, TrainConfig, accuracy_table, draft_loss, eagle_loss,
                       held_out_tau, measure_tau, medusa_loss, record_fields, train)
-
-
 
 
 # ---------------------------------------------------------------- command line
@@ -262,8 +260,9 @@ def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) 
     proj = projection_rows(target, head.vocab_ids)                         # (R, C)
     device = proj.device
     if args.init:                       # what the head had learned before: its own record
-        info = info | {"init": {"folder": os.path.abspath(args.init),
-                                "training": read_json(os.path.join(args.init, "training.json"))}}
+        record = os.path.join(args.init, "training.json")
+        info = info | {"init": {"folder": os.path.abspath(args.init), "training": read_json(
+            record, "training.json") if os.path.isfile(record) else None}}
     if args.method == "eagle":
         def loss_fn(seqs):
             return eagle_loss(head, target.embed, proj, make_batch(seqs).to(device))
@@ -426,14 +425,6 @@ def train_draft(args, tc, target, model_path, train_seqs, held, tokenizer, info)
     save_draft(draft, model_path, args.out, info, embeddings=not args.without_embeddings,
                vocab_ids=vocab)
     return info
-
-
-def read_json(path: str):
-    """The file's JSON, or None where it is missing."""
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
 
 
 if __name__ == "__main__":

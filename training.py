@@ -26,7 +26,6 @@ from proposers import DraftConfig, EagleProposer, MedusaProposer
 from tree import static_tree
 
 
-
 # ---------------------------------------------------------------- losses
 
 def teacher(target_feats, proj) -> torch.Tensor:
@@ -181,9 +180,6 @@ def train(head, loss_fn, seqs: list, tc: TrainConfig, out: str) -> dict:
     warm = min(100, total // 10 + 1)
     state = {"step": 0, "seconds": 0.0, "losses": []}
     os.makedirs(out, exist_ok=True)
-    if os.path.exists(os.path.join(out, "checkpoint.pt")):       # pickled, by older code
-        raise ValueError(f"{out}/checkpoint.pt: a checkpoint of an older version, which this one "
-                         "does not unpickle; delete it to train again from the start")
     if os.path.exists(os.path.join(out, CHECKPOINT)):
         state.update(load_checkpoint(out, head, opt))
         print(f"resumed at step {state['step']} of {total}", file=sys.stderr)
@@ -270,7 +266,7 @@ def measure_tau(target, proposer, seqs: list, max_new: int, stop_ids) -> float:
 def accuracy_table(target, head, kind: str, seqs: list, depth: int, ranks: int = 10) -> list:
     """[depth][rank]: how often the target's greedy token is the head's rank-r candidate at
     that depth, the path so far being right (teacher-forced): what best_paths needs."""
-    proj = head_projection(target, head)                                   # (R, C)
+    proj = projection_rows(target, head.vocab_ids).float()                 # (R, C)
     hits, count = torch.zeros(depth, ranks, device=proj.device), 0
     for i in range(0, len(seqs), 16):
         b = make_batch(seqs[i:i + 16]).to(proj.device)
@@ -298,10 +294,6 @@ def accuracy_table(target, head, kind: str, seqs: list, depth: int, ranks: int =
                 count += int(mask.sum())
     # teacher-forced: each depth is measured with the path before it right, as best_paths assumes
     return (hits / max(count, 1)).tolist()
-
-
-def head_projection(target, head) -> torch.Tensor:
-    return projection_rows(target, head.vocab_ids).float()
 
 
 def held_out_tau(args, target, head, config, held: list, tokenizer) -> dict:

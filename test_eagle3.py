@@ -1,0 +1,245 @@
+"""Tests: EAGLE-3 heads in their published format. Oracles: SpecForge 0.2.0's
+LlamaForCausalLMEagle3 (the trainer whose heads SGLang and vLLM serve: `pip install --no-deps
+specforge==0.2.0`, Python 3.11 or later; where it is missing those tests skip and say why),
+transformers' hidden_states for the layers a head reads, plain decoding for exactness."""
+import json
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from decode import GenConfig, generate_ar, generate_spec
+from checkpoint import load_head, load_model
+from model import LoadError
+from proposers import DraftConfig, EagleProposer
+from test_spec import default_path, tiny_model  # noqa: F401 (a fixture)
+
+C, V, R = 64, 256, 48        # the tiny head's hidden size, the target's vocabulary, its own
+
+
+@pytest.fixture(scope="module")
+def specforge():
+    """SpecForge's draft class, with torch.compile off (its norms and RoPE are compiled)."""
+    try:
+        with warnings.catch_warnings():         # that flash_attn, a GPU kernel, is missing
+            warnings.simplefilter("ignore")
+            from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+    except ImportError as e:
+        pytest.skip(f"SpecForge 0.2.0, the EAGLE-3 oracle, is not installed ({e}); pip install "
+                    "--no-deps specforge==0.2.0 (Python >= 3.11)")
+    return LlamaForCausalLMEagle3
+
+
+@pytest.fixture
+def no_dynamo(monkeypatch):
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+
+
+def specforge_head(cls, folder, seed=0):
+    """A random SpecForge head for a target of hidden size C and vocabulary V, its draft
+    vocabulary R sorted target ids (d2t as SpecForge builds it), saved with save_pretrained."""
+    import transformers
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(hidden_size=C, intermediate_size=96, num_attention_heads=4,
+                                   num_key_value_heads=2, num_hidden_layers=1, vocab_size=V,
+                                   draft_vocab_size=R, rms_norm_eps=1e-6, rope_theta=10000.0,
+                                   max_position_embeddings=512, tie_word_embeddings=False)
+    head = cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.normal_(1 if "norm" in name else 0, 0.3)
+        used = torch.randperm(V)[:R].sort().values
+        head.d2t.copy_(used - torch.arange(R))
+        head.t2d.zero_()[used] = True
+    head.save_pretrained(folder)
+    return head
+
+
+def target_for_head(layers=8):
+    return tiny_model(3, vocab_size=V, hidden_size=C, num_layers=layers).float()
+
+
+def test_a_specforge_head_drafts_here_what_it_drafts_there(specforge, no_dynamo, tmp_path):
+    ref = specforge_head(specforge, tmp_path / "h")
+    target = target_for_head()
+    head, config = load_head(str(tmp_path / "h"), target, "eagle3")
+    assert config.taps == [2, 4, 5]                     # 2, N/2, N - 3 for a target of 8 layers
+    ref.embed_tokens.weight.data.copy_(target.embed.weight)     # drafting embeds with the target's
+    g = torch.Generator().manual_seed(1)
+    T = 7
+    taps, tokens = torch.randn(1, T, 3 * C, generator=g), torch.randint(0, V, (1, T + 1), generator=g)
+    with torch.no_grad():
+        # depth 0 over T positions from the target's taps, then one token more fed the head's
+        # own last feature (depth 1), each causal; SpecForge sees both as one sequence
+        fed = ref.project_hidden_states(taps)
+        first = ref.backbone(ref.embed_input_ids(tokens[:, :T]), fed, None, None,
+                             torch.arange(T)[None])
+        both = ref.backbone(ref.embed_input_ids(tokens), torch.cat([fed, first[:, -1:]], 1), None,
+                            None, torch.arange(T + 1)[None])
+        want = ref.compute_logits(both)                                  # (1, T + 1, R)
+        cache = head.new_cache(64)
+        out = head(taps, target.embed(tokens[:, :T]), torch.arange(T)[None], cache)
+        out = torch.cat([out, head(out[:, -1:], target.embed(tokens[:, T:]),
+                                   torch.tensor([[T]]), cache)], 1)
+        got = head.projection()(out)
+    torch.testing.assert_close(out, both, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    top = got[0].topk(3).indices                                         # (T + 1, 3) draft ids
+    assert torch.equal(top, want[0].topk(3).indices)
+    assert torch.equal(head.vocab_ids[top], top + ref.d2t[top])          # the target's ids
+
+
+def test_the_layer_ids_of_each_convention_read_the_same_hidden_states(tmp_path):
+    """A head's taps are the residual stream entering layers 2, N/2, N - 3: transformers'
+    hidden_states[2], [N/2], [N - 3]; SpecForge's and SGLang's eagle_config ids name the layer
+    whose output it is (one less), vLLM's top-level ids the same as ours. Off by one, the taps
+    would be another layer's stream, and this fails."""
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=C, intermediate_size=96,
+                                   num_hidden_layers=8, num_attention_heads=4,
+                                   max_position_embeddings=256)
+    hf = transformers.LlamaForCausalLM(cfg).to(torch.float64).eval()
+    hf.save_pretrained(tmp_path / "t")
+    target = load_model(str(tmp_path / "t"), torch.float64)
+    ids = torch.randint(0, V, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        states = hf(ids, output_hidden_states=True).hidden_states
+        _, taps = target(ids, torch.arange(9)[None], target.new_cache(1, 64), taps=(2, 4, 5))
+    torch.testing.assert_close(taps, torch.cat([states[2], states[4], states[5]], -1))
+    for n, fields in enumerate(({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4],
+                                     "use_aux_hidden_state": True}},
+                   {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]})):
+        folder = write_head(tmp_path / str(n), fields)
+        assert load_head(folder, target.float(), "eagle3")[1].taps == [2, 4, 5], fields
+
+
+def write_head(folder, config_fields=None, tensors=None):
+    """A random head in the published format (the 15 tensors of the EAGLE-3 checklist)."""
+    folder.mkdir(parents=True)
+    torch.manual_seed(0)
+    t = {"fc.weight": (C, 3 * C), "midlayer.self_attn.q_proj.weight": (C, 2 * C),
+         "midlayer.self_attn.k_proj.weight": (C // 2, 2 * C),
+         "midlayer.self_attn.v_proj.weight": (C // 2, 2 * C),
+         "midlayer.self_attn.o_proj.weight": (C, C), "midlayer.mlp.gate_proj.weight": (96, C),
+         "midlayer.mlp.up_proj.weight": (96, C), "midlayer.mlp.down_proj.weight": (C, 96),
+         "midlayer.hidden_norm.weight": (C,), "midlayer.input_layernorm.weight": (C,),
+         "midlayer.post_attention_layernorm.weight": (C,), "norm.weight": (C,),
+         "lm_head.weight": (R, C)}
+    t = {k: torch.randn(shape) * 0.3 for k, shape in t.items()}
+    t |= {"d2t": torch.arange(R) * 2, "t2d": torch.zeros(V, dtype=torch.bool)}
+    save_file(tensors(t) if tensors else t, str(folder / "model.safetensors"))
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+              "hidden_size": C, "intermediate_size": 96, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "num_hidden_layers": 1, "rms_norm_eps": 1e-6,
+              "vocab_size": V, "draft_vocab_size": R, "tie_word_embeddings": False}
+    (folder / "config.json").write_text(json.dumps(config | (config_fields or {})))
+    return str(folder)
+
+
+def test_the_published_layouts_load_alike(tmp_path):
+    """`midlayer.` or `layers.0.`, with or without `model.`, safetensors or a .bin; no rope_theta
+    is 10,000 as the authors' code has it; no d2t is the identity."""
+    target = target_for_head()
+    base, _ = load_head(write_head(tmp_path / "base"), target, "eagle3")
+    assert base.layer_config.rope_theta == 10000.0
+    assert torch.equal(base.vocab_ids, torch.arange(R) * 3)             # i + d2t[i]
+    renames = {"vllm": lambda t: {("model." + k.replace("midlayer.", "layers.0.")
+                                   if k != "lm_head.weight" else k): v for k, v in t.items()},
+               "prefixed": lambda t: {"model." + k: v for k, v in t.items()}}
+    for name, rename in renames.items():
+        head, _ = load_head(write_head(tmp_path / name, tensors=rename), target, "eagle3")
+        assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(),
+                                                      base.state_dict().values())), name
+    folder = write_head(tmp_path / "bin")
+    torch.save(load_file(f"{folder}/model.safetensors"), f"{folder}/pytorch_model.bin")
+    (tmp_path / "bin" / "model.safetensors").unlink()
+    head, _ = load_head(folder, target, "eagle3")
+    assert torch.equal(head.fc.weight, base.fc.weight)
+    folder = write_head(tmp_path / "full", {"draft_vocab_size": V},
+                        lambda t: {k: v for k, v in t.items() if k not in ("d2t", "t2d")} |
+                        {"lm_head.weight": torch.randn(V, C)})
+    assert torch.equal(load_head(folder, target, "eagle3")[0].vocab_ids, torch.arange(V))
+
+
+@pytest.mark.parametrize("case", ["missing", "extra", "shape", "d2t", "variant", "bin", "target"])
+def test_a_bad_published_head_is_one_line_naming_file_and_key(tmp_path, case):
+    drop = lambda key: lambda t: {k: v for k, v in t.items() if k != key}   # noqa: E731
+    folder, tensors, fields, want = tmp_path / "h", None, None, None
+    if case == "missing":
+        tensors, want = drop("midlayer.hidden_norm.weight"), "model.safetensors: no tensor 'midlayer.hidden_norm.weight'"
+    elif case == "extra":
+        tensors, want = lambda t: t | {"fc.bias": torch.zeros(C)}, "unexpected tensor 'fc.bias'"
+    elif case == "shape":
+        tensors, want = lambda t: t | {"norm.weight": torch.ones(C + 1)}, "size mismatch for norm.weight"
+    elif case == "d2t":
+        tensors, want = lambda t: t | {"d2t": torch.arange(R) * 9}, "d2t of shape (48,) does not map"
+    elif case == "variant":
+        fields, want = {"norm_before_residual": True}, "config.json: norm_before_residual=True"
+    elif case == "target":
+        fields, want = {"vocab_size": V + 1}, "head trained for hidden size 64 and vocab 257"
+    path = write_head(folder, fields, tensors)
+    if case == "bin":
+        (folder / "model.safetensors").unlink()
+        torch.save([1, 2], folder / "pytorch_model.bin")
+        want = "pytorch_model.bin: not a state dict of tensors"
+    with pytest.raises(LoadError) as e:
+        load_head(path, target_for_head(), "eagle3")
+    assert want in str(e.value) and path in str(e.value) and "\n" not in str(e.value)
+
+
+def test_eagle3_writes_plain_decodings_tokens(tmp_path):
+    """EAGLE-2's tree drafted by an EAGLE-3 head: greedy and seeded sampling give plain
+    decoding's tokens, with the target's three taps fed to the head every step."""
+    target = target_for_head().double()
+    head, _ = load_head(write_head(tmp_path / "h"), target, "eagle3")
+    prompt = [5, 17, 3, 99, 41, 8]
+    fed = []                               # what fc fuses: the target's taps, every step
+    head.fc.register_forward_hook(lambda m, x, y: fed.append(x[0].shape))
+    for temperature in (0.0, 0.8):
+        gen = GenConfig(max_new_tokens=40, temperature=temperature, seed=3)
+        want = generate_ar(target, prompt, gen).token_ids
+        proposer = EagleProposer(target, head, DraftConfig(3, 4, 8), 256, proj=head.projection())
+        assert proposer.taps == (2, 4, 5)
+        got = generate_spec(target, proposer, prompt, gen)
+        assert got.token_ids == want, temperature
+        assert got.target_forwards < len(want) or temperature > 0
+    assert len(fed) > 20 and all(shape[-1] == 3 * C for shape in fed)
+
+
+def test_the_command_line_runs_a_published_head_on_the_default_model(default_path, tmp_path,
+                                                                     capsys):
+    """`--method eagle3 --head DIR` with a random head of the default model's shape (its three
+    taps, of 30 layers, 2, 15 and 27): plain decoding's very text, greedy and sampled."""
+    import spec
+    from checkpoint import folder_config
+    c = folder_config(default_path)
+    torch.manual_seed(0)
+    H, Q, KV, F = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, 1536
+    shapes = {"fc.weight": (H, 3 * H), "midlayer.self_attn.q_proj.weight": (Q, 2 * H),
+              "midlayer.self_attn.k_proj.weight": (KV, 2 * H),
+              "midlayer.self_attn.v_proj.weight": (KV, 2 * H),
+              "midlayer.self_attn.o_proj.weight": (H, Q), "midlayer.mlp.gate_proj.weight": (F, H),
+              "midlayer.mlp.up_proj.weight": (F, H), "midlayer.mlp.down_proj.weight": (H, F),
+              "lm_head.weight": (1024, H)}
+    t = {k: torch.randn(s) * 0.05 for k, s in shapes.items()}
+    t |= {k: torch.ones(H) for k in ("midlayer.hidden_norm.weight", "norm.weight",
+                                     "midlayer.input_layernorm.weight",
+                                     "midlayer.post_attention_layernorm.weight")}
+    t["d2t"] = torch.zeros(1024, dtype=torch.long)           # the first 1024 ids
+    (tmp_path / "h").mkdir()
+    save_file(t, str(tmp_path / "h" / "model.safetensors"))
+    (tmp_path / "h" / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": H, "intermediate_size": F,
+        "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
+        "num_hidden_layers": 1, "rms_norm_eps": c.rms_eps, "vocab_size": c.vocab_size,
+        "draft_vocab_size": 1024}))
+    argv = ["--max-new-tokens", "24", "--json", "-", "--prompt", "Name three rivers."]
+    for sampling in ([], ["--temperature", "0.8", "--seed", "3"]):
+        texts = {}
+        for method, more in (("ar", []), ("eagle3", ["--head", str(tmp_path / "h"),
+                                                     "--tree-size", "4"])):
+            spec.main(["--method", method, *more, *argv, *sampling])
+            texts[method] = json.loads(capsys.readouterr().out)["token_ids"]
+        assert texts["eagle3"] == texts["ar"], sampling
