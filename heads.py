@@ -74,7 +74,7 @@ class EagleHead(nn.Module):
         return x
 
     def new_cache(self, slots: int, batch: int = 1) -> KVCache:
-        w = self.layers[0].mlp_norm.weight             # a float parameter in every weight form
+        w = next(self.parameters())     # a norm's or a bias: float in every weight form
         return KVCache.allocate(self.layer_config, batch, slots, cache_dtype(w.dtype, w.device),
                                 w.device)
 
@@ -119,10 +119,7 @@ class Eagle3Head(nn.Module):
         """Its own scores over the draft vocabulary: a module C -> R."""
         return nn.Sequential(self.norm, self.lm_head)
 
-    def new_cache(self, slots: int, batch: int = 1) -> KVCache:
-        w = self.norm.weight
-        return KVCache.allocate(self.layer_config, batch, slots, cache_dtype(w.dtype, w.device),
-                                w.device)
+    new_cache = EagleHead.new_cache
 
 
 class MedusaHeads(nn.Module):

@@ -38,8 +38,7 @@ def method_of(args, method: str, compile: bool | None = None):
     """The methods.MethodConfig the flags give `method`; its defaults where a flag is unset."""
     return method_config(method, args.num_speculative_tokens, args.draft_top_k, args.tree_size,
                          ngram_max=args.ngram_max or MethodConfig.ngram_max, draft=args.draft,
-                         heads=tuple(args.head), draft_int8=args.draft_int8,
-                         verbose=args.verbose,
+                         heads=tuple(args.head), draft_int8=args.draft_int8, verbose=args.verbose,
                          compile=args.compile if compile is None else compile)
 
 

@@ -343,8 +343,7 @@ def to_eagle_layout(head, config: HeadConfig, embed, seqs: list) -> tuple:
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja",
-                   "generation_config.json")
+                   "chat_template.jinja", "generation_config.json")
 
 
 def init_draft(target, layers: int):
