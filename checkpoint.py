@@ -280,29 +280,29 @@ def read_head_config(folder: str) -> HeadConfig:
     """A head folder's config.json (train_heads.py's, or a published EAGLE-3 head's); clear
     errors for a folder that is not one."""
     if not os.path.isfile(f"{folder}/config.json"):
-        raise LoadError(f"{folder}: no config.json; is this a folder written by train_heads.py?")
-    with open(f"{folder}/config.json") as f:
-        try:
-            config = json.load(f)
-            if set(config.get("architectures", [])) & set(EAGLE3_ARCHS):
-                return eagle3_config(config, folder)
-            if "kind" not in config:            # a whole model's HF config, a draft's say
-                raise TypeError("no 'kind': a model's config? a draft model goes to --draft; "
-                                "an exported EAGLE folder is for serving engines, --head takes "
-                                "the folder it was exported from")
-            if config["kind"] == "eagle":    # written before the field: those had the norm
-                config.setdefault("input_norm", True)
-            if config.pop("own_projection", False):
-                raise LoadError(f"{folder}/config.json: Medusa heads with projections of their "
-                                "own are not supported; train heads that share the target's")
-            # older versions wrote "taps": [] into every head; a non-empty one needs the fused
-            # features of --taps, deleted (measured, did not pay: docs/TRAINING.md)
-            if config.get("taps") and config["kind"] != "eagle3":
-                raise LoadError(f"{folder}/config.json: a {config['kind']} head that reads target "
-                                f"layers {config['taps']}; this version reads none")
-            return HeadConfig(**config)
-        except (json.JSONDecodeError, TypeError, KeyError) as e:
-            raise LoadError(f"{folder}/config.json: not a head config ({e})") from None
+        raise LoadError(f"{folder}: " + ("no config.json; is this a head folder (train_heads.py's, "
+                        "or a published EAGLE-3 head)?" if os.path.isdir(folder) else "no such folder"))
+    config = read_json(f"{folder}/config.json", "config.json")
+    if set(config.get("architectures", [])) & set(EAGLE3_ARCHS):
+        return eagle3_config(config, folder)
+    try:
+        if "kind" not in config:            # a whole model's HF config, a draft's say
+            raise TypeError("no 'kind': a model's config? a draft model goes to --draft; an "
+                            "exported EAGLE folder is for serving engines, --head takes the "
+                            "folder it was exported from")
+        if config["kind"] == "eagle":    # written before the field: those had the norm
+            config.setdefault("input_norm", True)
+        if config.pop("own_projection", False):
+            raise LoadError(f"{folder}/config.json: Medusa heads with projections of their "
+                            "own are not supported; train heads that share the target's")
+        # older versions wrote "taps": [] into every head; a non-empty one needs the fused
+        # features of --taps, deleted (measured, did not pay: docs/TRAINING.md)
+        if config.get("taps") and config["kind"] != "eagle3":
+            raise LoadError(f"{folder}/config.json: a {config['kind']} head that reads target "
+                            f"layers {config['taps']}; this version reads none")
+        return HeadConfig(**config)
+    except (TypeError, KeyError) as e:
+        raise LoadError(f"{folder}/config.json: not a head config ({e})") from None
 
 
 EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -371,17 +371,6 @@ def eagle3_tensors(t: dict, config: HeadConfig, path: str) -> dict:
     return t | {"vocab_ids": ids}
 
 
-def fit(head: torch.nn.Module, tensors: dict, path: str) -> None:
-    """Load tensors into head; one line naming the first key missing, extra or misshapen."""
-    try:
-        missing, extra = head.load_state_dict(tensors, strict=False)
-    except RuntimeError as e:                   # a shape: torch's last line names the key
-        raise LoadError(f"{path}: {str(e).strip().splitlines()[-1].strip()}") from None
-    if missing or extra:
-        raise LoadError(f"{path}: {'no tensor' if missing else 'unexpected tensor'} "
-                        f"{(missing or extra)[0]!r} for its config.json")
-
-
 def load_head(folder: str, target, kind: str) -> tuple:
     """-> (head in the target's dtype and device, HeadConfig); clear errors for a bad folder."""
     config = read_head_config(folder)
@@ -400,6 +389,12 @@ def load_head(folder: str, target, kind: str) -> tuple:
     tensors = {("layers.0." + k.removeprefix("layer.") if k.startswith("layer.") else k): v
                for k, v in tensors.items()}
     head = build_head(config, tensors.get("vocab_ids", torch.zeros(config.draft_vocab)))
-    fit(head, tensors, path)
+    try:                                        # one line naming the first key that does not fit
+        missing, extra = head.load_state_dict(tensors, strict=False)
+    except RuntimeError as e:                   # a shape: torch's last line names the key
+        raise LoadError(f"{path}: {str(e).strip().splitlines()[-1].strip()}") from None
+    if missing or extra:
+        raise LoadError(f"{path}: {'no tensor' if missing else 'unexpected tensor'} "
+                        f"{(missing or extra)[0]!r} for its config.json")
     w = target.embed.weight
     return head.to(w.device, w.dtype).eval(), config

@@ -348,14 +348,14 @@ def check_heads(heads, methods: list) -> None:
     """Each head folder must be read by one of the methods: a head given for nothing is a
     mistake (a typo in --methods, or the wrong folder), not something to ignore."""
     kinds = {HEAD_KIND[m] for m in methods if m in HEAD_KIND}
-    for kind in kinds:
-        head_folder(heads, kind)                        # one head a kind, and one for eagle3
     for folder in heads:
         kind = read_head_config(folder).kind
         if kind not in kinds:
             users = ", ".join(m for m, k in HEAD_KIND.items() if k == kind)
             raise ValueError(f"--head {folder} holds {kind} heads, which only {users} draft "
                              f"with, and no such method was chosen ({', '.join(methods)})")
+    for kind in kinds:
+        head_folder(heads, kind)                        # one head a kind, and one for eagle3
 
 
 def room(mc: MethodConfig) -> int:

@@ -261,11 +261,11 @@ def draft_flags(p) -> None:
                                    "(default: the distilled draft shipped in weights/ for the "
                                    "default model)")
     p.add_argument("--head", action="append", default=[], metavar="DIR",
-                   help="trained head folder (train_heads.py's --out), used by the methods of "
-                        "the kind it holds: EAGLE for eagle, eagle2 and eagle2+ngram, Medusa "
-                        "for medusa, EAGLE-3 (ours, or a published one: SpecForge's format) for "
-                        "eagle3; once per kind (default: the weights shipped in weights/ for "
-                        "the default model)")
+                   help="head folder (train_heads.py's --out), used by the methods of the "
+                        "kind it holds: EAGLE for eagle, eagle2 and eagle2+ngram, Medusa for "
+                        "medusa, EAGLE-3 (a published head: SpecForge's format) for eagle3; "
+                        "once per kind (default: the weights shipped in weights/ for the "
+                        "default model)")
     p.add_argument("--num-speculative-tokens", type=int,
                    help="draft depth: tokens proposed along each path per step (default per "
                         "method: " + ", ".join(f"{m} {d[0]}" for m, d in TREE_DEFAULTS.items()) + ")")
@@ -273,7 +273,7 @@ def draft_flags(p) -> None:
                    help="eagle2, eagle2+ngram, eagle3: children per expanded draft node (default " +
                         str(TREE_DEFAULTS["eagle2"][1]) + ")")
     p.add_argument("--tree-size", type=tree_size,
-                   help="medusa, eagle, eagle2, eagle2+ngram: draft nodes verified per step "
+                   help="medusa, eagle, eagle2, eagle2+ngram, eagle3: draft nodes verified per step "
                         "(0: depth x top-k; auto: the size with the most expected tokens/s on "
                         "this machine, from the head's measured accuracy and the measured verify "
                         "cost, eagle2+ngram's lookup chain priced into every verify; for eagle2 "

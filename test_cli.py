@@ -126,7 +126,7 @@ TRAIN_CASES = [
     (["--held-out", "-1"], "--held-out must be >= 0"),
     (["--method", "lora"], "--method: invalid choice: 'lora'"),
     (["--device", "nosuchdevice"], "--device nosuchdevice is not available here"),
-    (["--init", "/nonexistent"], "/nonexistent: no config.json"),
+    (["--init", "/nonexistent"], "/nonexistent: no such folder"),
     (["--init", f"{WEIGHTS}/smollm2-135m-medusa"], "holds medusa heads; --method eagle"),
     (["--wise", "0.5"], "--wise 0.5: a weight in [0, 1] between an --init head"),
     (["--out", "/proc/x"], "--out /proc/x: cannot write there"),
@@ -136,7 +136,7 @@ TRAIN_CASES = [
 
 
 EXPORT_CASES = [
-    (["/nonexistent", "{out}/e"], "/nonexistent: no config.json"),
+    (["/nonexistent", "{out}/e"], "/nonexistent: no such folder"),
     ([f"{WEIGHTS}/smollm2-135m-medusa", "{out}/e"], "holds medusa heads; --format eagle exports"),
     ([f"{WEIGHTS}/smollm2-135m-draft", "{out}/e"], "not a head config"),
     ([f"{WEIGHTS}/smollm2-135m-eagle", "{a file}"], "exists and is not a folder"),

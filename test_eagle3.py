@@ -243,3 +243,20 @@ def test_the_command_line_runs_a_published_head_on_the_default_model(default_pat
             spec.main(["--method", method, *more, *argv, *sampling])
             texts[method] = json.loads(capsys.readouterr().out)["token_ids"]
         assert texts["eagle3"] == texts["ar"], sampling
+
+
+def test_the_command_line_names_what_is_wrong_with_a_head(capsys):
+    """A head of another kind given to eagle3, a missing folder, eagle3 with no head and with
+    --compile: one `error:` line each, exit 2, before the target loads."""
+    import spec
+    from default_model import WEIGHTS
+    cases = ((["--head", f"{WEIGHTS}/smollm2-135m-eagle"], "holds eagle heads, which only eagle, "
+              "eagle2, eagle2+ngram draft with"),
+             (["--head", "/nonexistent"], "/nonexistent: no such folder"),
+             ([], "no EAGLE-3 head is shipped yet; give one with --head DIR"),
+             (["--compile"], "--compile: eagle3's head reads three of the target's layers"))
+    for flags, want in cases:
+        with pytest.raises(SystemExit) as e:
+            spec.main(["--method", "eagle3", *flags])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and want in err and err.count("\n") == 1, (flags, err)

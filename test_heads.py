@@ -558,7 +558,7 @@ def test_training_flags_out_of_range_fail_before_any_loading(capsys):
     assert th.parse_args(base + ["--minutes", "0"]).minutes == 0     # 0: no limit, allowed
     # --init is read before any data is: a wrong folder used to surface after the features
     from default_model import WEIGHTS
-    for init, message in (("/nonexistent", "/nonexistent: no config.json"),
+    for init, message in (("/nonexistent", "/nonexistent: no such folder"),
                           (f"{WEIGHTS}/smollm2-135m-medusa", "holds medusa heads; --method eagle"),
                           (f"{WEIGHTS}/smollm2-135m-draft", "not a head config")):
         with pytest.raises(SystemExit) as e:
