@@ -13,7 +13,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from heads import HeadConfig, build_head
+from heads import HeadConfig, build_head, eagle3_taps
 from model import Llama, LlamaConfig, LoadError, RopeScaling
 
 
@@ -379,12 +379,13 @@ def load_head(folder: str, target, kind: str) -> tuple:
     config.check(target.config, folder)
     path, tensors = head_tensors(folder)
     if kind == "eagle3":
-        N = target.config.num_layers        # default: the stream entering 2, N/2 and N - 3
-        config.taps = config.taps or [2, N // 2, N - 3]
+        N = target.config.num_layers
+        config.taps = config.taps or eagle3_taps(N)
         if max(config.taps) >= N or len(config.taps) != 3:
             raise LoadError(f"{folder}/config.json: taps {config.taps}: not three of the "
                             f"target's {N} layers")
-        tensors = eagle3_tensors(tensors, config, path)
+        # a published head's names (train_heads.py's own have this module's, vocab_ids too)
+        tensors = tensors if "vocab_ids" in tensors else eagle3_tensors(tensors, config, path)
     # heads saved by older versions name their decoder layer "layer."
     tensors = {("layers.0." + k.removeprefix("layer.") if k.startswith("layer.") else k): v
                for k, v in tensors.items()}

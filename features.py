@@ -59,17 +59,18 @@ def templated_prompts(rows: list, templates: list, seed: int) -> list:
 # ---------------------------------------------------------------- the target writes and reads
 
 @torch.inference_mode()
-def teacher_forced(target: Llama, seqs: list) -> list:
-    """Run full sequences (right-padded: causal attention never looks right) -> hidden (L_i, C)."""
+def teacher_forced(target: Llama, seqs: list, taps=()) -> list:
+    """Run full sequences (right-padded: causal attention never looks right) -> hidden (L_i, C)
+    (taps: Llama.forward's, the features of an EAGLE-3 head and the final hidden)."""
     L, device = max(len(s) for s in seqs), target.embed.weight.device
     ids = torch.tensor([s + [0] * (L - len(s)) for s in seqs], device=device)   # (B, L)
     cache = target.new_cache(len(seqs), L)
-    _, hidden = target(ids, torch.arange(L, device=device)[None], cache, last_only=True)
+    _, hidden = target(ids, torch.arange(L, device=device)[None], cache, last_only=True, taps=taps)
     return [hidden[b, :len(s)].to("cpu", copy=True) for b, s in enumerate(seqs)]  # own storage
 
 
 @torch.inference_mode()
-def batched_greedy(target: Llama, prompts: list, max_new: int, stop_ids) -> list:
+def batched_greedy(target: Llama, prompts: list, max_new: int, stop_ids, taps=()) -> list:
     """Greedy answers for a batch of prompts -> [(tokens, hidden (len(tokens) - 1, C))].
 
     Prompts are left-padded; each row masks its padding and counts positions from its first real
@@ -85,7 +86,7 @@ def batched_greedy(target: Llama, prompts: list, max_new: int, stop_ids) -> list
     # in a later attention product is still NaN; (B, P, P)
     mask = (causal[None] & valid[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=device)
     pos = (torch.arange(P, device=device)[None] - pad[:, None]).clamp(min=0)   # (B, P)
-    logits, hidden = target(ids, pos, cache, mask, last_only=True)
+    logits, hidden = target(ids, pos, cache, mask, last_only=True, taps=taps)
     tokens = [list(p) for p in prompts]
     feats = [[hidden[b, P - len(p):]] for b, p in enumerate(prompts)]
     alive = list(range(B))                                                 # rows still writing
@@ -105,7 +106,7 @@ def batched_greedy(target: Llama, prompts: list, max_new: int, stop_ids) -> list
         start = cache.length
         mask = valid[:, None, :start + 1]                                  # (b, 1, start + 1)
         pos = (start - pad)[:, None]                                       # (b, 1)
-        logits, hidden = target(nxt[:, None], pos, cache, mask)
+        logits, hidden = target(nxt[:, None], pos, cache, mask, taps=taps)
         for i, b in enumerate(alive):
             feats[b].append(hidden[i])
     return [(tokens[b], torch.cat(feats[b]).cpu()) for b in range(B)]
@@ -123,7 +124,7 @@ def save_shard(path: str, tokens: list, hidden: list, prompt_lens: list) -> None
 
 
 def extract_features(target: Llama, tokenizer, rows: list, out: str, batch: int,
-                     max_new: int, max_prompt: int) -> None:
+                     max_new: int, max_prompt: int, taps=()) -> None:
     """Write FEATURES/shard_*.safetensors; shards already there are kept (resumption)."""
     os.makedirs(out, exist_ok=True)
     shards = range(0, len(rows), SHARD_LINES)
@@ -140,10 +141,11 @@ def extract_features(target: Llama, tokenizer, rows: list, out: str, batch: int,
                    for kind in (True, False)]
         for part in filter(None, batches):
             if part[0][1] is None:
-                done = batched_greedy(target, [p for p, _ in part], max_new, tokenizer.stop_ids)
+                done = batched_greedy(target, [p for p, _ in part], max_new, tokenizer.stop_ids,
+                                      taps)
             else:
                 seqs = [p + tokenizer.encode(a)[:max_new] + [tokenizer.stop_ids[0]] for p, a in part]
-                done = list(zip(seqs, teacher_forced(target, seqs)))
+                done = list(zip(seqs, teacher_forced(target, seqs, taps)))
             for (p, _), (t, h) in zip(part, done):
                 tokens.append(t), hidden.append(h), prompt_lens.append(len(p))
             bar.update(len(part))

@@ -157,6 +157,11 @@ def projection(target, vocab_ids: torch.Tensor) -> nn.Linear:
     return proj
 
 
+def eagle3_taps(num_layers: int) -> list:
+    """EAGLE-3's taps of a target of N layers: the stream entering layers 2, N/2 and N - 3."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
 def build_head(config: HeadConfig, vocab_ids: torch.Tensor) -> nn.Module:
     if config.kind == "eagle3":
         return Eagle3Head(LlamaConfig(**config.layer), vocab_ids, config.taps)

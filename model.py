@@ -230,7 +230,8 @@ class Llama(nn.Module):
                 project=True, taps=()):
         """tokens, positions (B, T) long -> logits (B, T or 1, V), final hidden (B, T, C), or
         where `taps` names layers, the residual streams entering them side by side (B, T, 3C
-        for EAGLE-3's three: a head's features; the final hidden is then not needed).
+        for EAGLE-3's three: a head's features), and the final hidden after them where it
+        names N, the number of layers (training's labels).
 
         The T tokens are written to cache slots [cache.length, cache.length + T) and the length
         moves past them. `mask` (T, length + T) bool, or (B, T, length + T) for a batch, says which
@@ -254,6 +255,7 @@ class Llama(nn.Module):
         logits = (self.lm_head(hidden[:, -1:] if last_only else hidden)  # (B, T or 1, V)
                   if project else None)
         cache.length = start + T
+        tapped += [hidden] if len(self.layers) in taps else []       # N: the final one too
         return logits, torch.cat(tapped, -1) if taps else hidden
 
     def new_cache(self, batch: int = 1, slots: int | None = None) -> KVCache:

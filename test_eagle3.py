@@ -260,3 +260,47 @@ def test_the_command_line_names_what_is_wrong_with_a_head(capsys):
             spec.main(["--method", "eagle3", *flags])
         err = capsys.readouterr().err
         assert e.value.code == 2 and want in err and err.count("\n") == 1, (flags, err)
+
+
+def test_an_eagle3_head_trains_on_taps_and_decodes_exactly(tmp_path):
+    """train_heads.py --method eagle3's parts on a tiny target: shards of [three taps; final
+    hidden], the EAGLE-3 recipe (training-time test, no feature loss) makes the loss fall, the
+    measured accuracies read the taps, and the saved head loads back and drafts what it drafted,
+    plain decoding's tokens."""
+    from types import SimpleNamespace
+    import features
+    import train_heads as th
+    import training
+    from test_heads import TinyTokenizer
+    torch.manual_seed(0)
+    target = tiny_model(3, num_layers=8).float().requires_grad_(False)
+    taps = [2, 4, 5, 8]                                   # EAGLE-3's three, and N: the labels'
+    rows = [(f"q{i} {'ab' * (i % 5)}", None) for i in range(40)]
+    features.extract_features(target, TinyTokenizer(), rows, str(tmp_path / "f"), 8, 24, 64, taps)
+    seqs = features.load_features(str(tmp_path / "f"))
+    C = target.config.hidden_size
+    assert seqs[0].hidden.shape[1] == 4 * C
+    args = SimpleNamespace(out=str(tmp_path / "o"), draft_vocab=40, method="eagle3", heads=3)
+    head, config = th.new_head(args, target, seqs, (0,))
+    assert config.taps == [2, 4, 5] and head.taps == (2, 4, 5)
+    proj = th.projection_rows(target, head.vocab_ids)
+    def loss(s):
+        b = training.eagle3_batch(features.make_batch(s), C)
+        return training.eagle_loss(head, target.embed, proj, b, 3, 0)
+    record = training.train(head, loss, seqs, training.TrainConfig(epochs=30, tokens_per_batch=256,
+                                                                    lr=3e-3), str(tmp_path / "t"))
+    first, last = record["losses"][:5], record["losses"][-5:]
+    mean = lambda rows: sum(sum(r) / len(r) for r in rows) / len(rows)     # noqa: E731
+    assert mean(last) < mean(first) - 0.4, f"loss {mean(first)} -> {mean(last)}"
+    config.accuracy = training.accuracy_table(target, head.eval(), "eagle3", seqs[:8], 3, 4)
+    assert config.accuracy[0][0] > 0.3, config.accuracy
+    th.save_head(head, config, str(tmp_path / "h"))
+    loaded, _ = load_head(str(tmp_path / "h"), target, "eagle3")
+    head = head.to(torch.bfloat16).float()                # the file holds 16-bit weights
+    outs, prompt = [], seqs[0].tokens[:seqs[0].prompt_len].tolist()    # a prompt it learned
+    for h in (head, loaded):
+        proposer = EagleProposer(target, h, DraftConfig(3, 2, 5), 256, proj=h.projection())
+        outs.append(generate_spec(target, proposer, prompt, GenConfig(20)))
+    assert outs[0].token_ids == outs[1].token_ids == generate_ar(target, prompt,
+                                                                 GenConfig(20)).token_ids
+    assert outs[0].accepted == outs[1].accepted and sum(outs[0].accepted) > 0

@@ -38,13 +38,14 @@ from default_model import default_model_path
 from export import FORMATS, check_export, export_draft, export_head
 from features import (draft_vocabulary, extract_features, load_features, make_batch,
                       read_conversations, templated_prompts)
-from heads import EAGLE_ROPE_THETA, HeadConfig, build_head, eagle_layer_config, projection_rows
+from heads import (EAGLE_ROPE_THETA, HeadConfig, build_head, eagle3_taps, eagle_layer_config,
+                   projection_rows)
 from methods import DRAFT_VOCAB, parse_flags
 from model import Llama, LlamaConfig
 from proposers import DraftModelProposer
 from tokenizer import load_tokenizer
-from training import (CHECKPOINT, UNROLL, TrainConfig, accuracy_table, draft_loss, eagle_loss,
-                      held_out_tau, measure_tau, medusa_loss, record_fields, train)
+from training import (CHECKPOINT, UNROLL, TrainConfig, accuracy_table, draft_loss, eagle3_batch,
+                      eagle_loss, held_out_tau, measure_tau, medusa_loss, record_fields, train)
 
 
 # ---------------------------------------------------------------- command line
@@ -55,9 +56,10 @@ def parse_args(argv=None):
 
 def data_flags(p) -> None:
     """What to train, from which target and data, and where the features go."""
-    p.add_argument("--method", choices=["eagle", "medusa", "draft"], required=True,
+    p.add_argument("--method", choices=["eagle", "eagle3", "medusa", "draft"], required=True,
                    help="what to train: the EAGLE head (used by spec.py --method eagle and "
-                        "eagle2), Medusa heads, or a distilled draft model (--method draft)")
+                        "eagle2), an EAGLE-3 head (three of the target's layers: spec.py "
+                        "--method eagle3), Medusa heads, or a distilled draft model")
     p.add_argument("--data", required=True,
                    help="JSONL with `prompt` (the target writes the answer) or `messages`")
     p.add_argument("--out", required=True, help="folder for the trained weights")
@@ -139,7 +141,7 @@ def check_ranges(p, args) -> None:
 def default_features_dir(args) -> str:
     root = os.path.dirname(args.model.rstrip("/")) if args.model else \
         os.path.dirname(default_model_path(args.cache_dir))
-    name = os.path.splitext(os.path.basename(args.data))[0]
+    name = os.path.splitext(os.path.basename(args.data))[0] + "-taps" * (args.method == "eagle3")
     if args.sources or args.template:       # a different set of conversations: its own folder
         what = json.dumps([sorted(args.sources), args.template, args.seed]).encode()
         name += "-" + hashlib.sha1(what).hexdigest()[:8]
@@ -214,8 +216,10 @@ def train_command(args) -> None:
         if "," in features:
             raise ValueError(f"--features {features}: the features stage writes one folder")
         target = load_model(model_path, torch.bfloat16, args.device)
+        N = target.config.num_layers            # EAGLE-3: its taps, and N for the labels
+        taps = eagle3_taps(N) + [N] if args.method == "eagle3" else ()
         extract_features(target, tokenizer, rows, features, args.batch, args.max_new_tokens,
-                         args.max_prompt_tokens)
+                         args.max_prompt_tokens, taps)
     if args.stage in ("train", "all"):
         train_and_save(args, model_path, features, tokenizer)
 
@@ -266,6 +270,10 @@ def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) 
     if args.method == "eagle":
         def loss_fn(seqs):
             return eagle_loss(head, target.embed, proj, make_batch(seqs).to(device))
+    elif args.method == "eagle3":                       # its recipe: no feature loss
+        def loss_fn(seqs):
+            b = eagle3_batch(make_batch(seqs).to(device), proj.shape[1])
+            return eagle_loss(head, target.embed, proj, b, feature_weight=0)
     else:
         def loss_fn(seqs):
             return medusa_loss(head, proj, make_batch(seqs).to(device))
@@ -273,7 +281,7 @@ def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) 
     if args.init and args.wise < 1:
         interpolate(head, init_head(args, target, train_seqs)[0], args.wise)
     head.eval()
-    depth = max(UNROLL, 6) if args.method == "eagle" else args.heads
+    depth = args.heads if args.method == "medusa" else max(UNROLL, 6)
     config.accuracy = [[round(a, 4) for a in row]
                        for row in accuracy_table(target, head, args.method, held, depth)]
     tau = held_out_tau(args, target, head, config, held, tokenizer)
@@ -293,8 +301,13 @@ def new_head(args, target, train_seqs: list, stop_ids) -> tuple:
         vocab = draft_vocabulary(train_seqs, args.draft_vocab, stop_ids)
     c = target.config
     config = HeadConfig(args.method, c.hidden_size, c.vocab_size, len(vocab), args.heads,
-                        eagle_layer_config(c) if args.method == "eagle" else {})
-    return build_head(config, vocab).to(target.embed.weight.device), config
+                        eagle_layer_config(c) if args.method != "medusa" else {},
+                        taps=eagle3_taps(c.num_layers) if args.method == "eagle3" else [])
+    head = build_head(config, vocab).to(target.embed.weight.device)
+    if args.method == "eagle3":         # its lm_head and norm start as the target's (those rows)
+        head.lm_head.weight.data.copy_(projection_rows(target, vocab))
+        head.norm.weight.data.copy_(target.norm.weight)
+    return head, config
 
 
 def interpolate(head, start, alpha: float) -> None:

@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -20,7 +20,7 @@ from kernel import attention_mask, with_ones
 from checkpoint import save_tensors
 from decode import GenConfig, generate_spec
 from features import Batch, batches, make_batch
-from heads import best_paths, projection_rows
+from heads import Eagle3Head, best_paths, projection_rows
 from model import KVCache
 from proposers import DraftConfig, EagleProposer, MedusaProposer
 from tree import static_tree
@@ -37,6 +37,18 @@ def teacher(target_feats, proj) -> torch.Tensor:
     probability (what EAGLE-2's tree and size rule read); the distribution measured no better
     (docs/TRAINING.md)."""
     return (target_feats @ proj.T).argmax(-1)                          # (n, R) -> (n,)
+
+
+def scorer(head, proj):
+    """The head's scores over its draft vocabulary, (..., C) -> (..., R): an EAGLE-3 head's own
+    lm_head after its norm, else the target's rows `proj` (R, C)."""
+    return head.projection() if isinstance(head, Eagle3Head) else (lambda out: out @ proj.T)
+
+
+def eagle3_batch(b: Batch, C: int) -> Batch:
+    """An EAGLE-3 head's batch from shards of [its three taps; the final hidden] (4C) a token:
+    it reads the taps, and learns the target's greedy token from the next final hidden."""
+    return replace(b, feats=b.feats[..., :-C], target=b.target[..., -C:])
 
 
 def ttt_mask(L: int, j: int, device="cpu") -> torch.Tensor:
@@ -64,7 +76,7 @@ def eagle_unroll(head, embed, b: Batch, steps: int) -> list:
         cache = KVCache([widen(k, L) for k in cache.k], [widen(v, L, ones=True) for v in cache.v],
                         j * L)
         outs.append(head(feats, embeds, pos, cache, ttt_mask(L, j, pos.device)))  # (B, L, C)
-        feats = torch.cat([torch.zeros_like(feats[:, :1]), outs[-1][:, :-1]], dim=1)  # g_{i-1}
+        feats = torch.cat([torch.zeros_like(outs[-1][:, :1]), outs[-1][:, :-1]], 1)   # g_{i-1}
     return outs
 
 
@@ -85,15 +97,15 @@ FEATURE_WEIGHT = 0.1
 def eagle_loss(head, embed, proj, b: Batch, steps: int = UNROLL,
                feature_weight: float = FEATURE_WEIGHT) -> tuple:
     """Cross-entropy (+ smooth L1 on the feature) at every unrolled step; -> (loss, [ce])."""
-    teach = teacher(b.target[b.loss_mask], proj)                       # loss rows, row-major
+    teach, score = teacher(b.target[b.loss_mask], proj), scorer(head, proj)   # loss rows
     col = b.loss_mask.nonzero()[:, 1]                                  # their positions
     total, ces = 0.0, []
     for j, out in enumerate(eagle_unroll(head, embed, b, steps)):
         mask = b.loss_mask.clone()
         mask[:, :j] = False                                            # no root before the start
         out = out[mask]                                                # (n, C): loss rows only
-        ce = torch.nn.functional.cross_entropy((out @ proj.T).float(), teach[col >= j])
-        fl = torch.nn.functional.smooth_l1_loss(out.float(), b.target[mask])
+        ce = torch.nn.functional.cross_entropy(score(out).float(), teach[col >= j])
+        fl = feature_weight and torch.nn.functional.smooth_l1_loss(out.float(), b.target[mask])
         total, ces = total + ce + feature_weight * fl, ces + [float(ce.detach())]
     return total / steps, ces
 
@@ -270,9 +282,11 @@ def accuracy_table(target, head, kind: str, seqs: list, depth: int, ranks: int =
     hits, count = torch.zeros(depth, ranks, device=proj.device), 0
     for i in range(0, len(seqs), 16):
         b = make_batch(seqs[i:i + 16]).to(proj.device)
+        b = eagle3_batch(b, proj.shape[1]) if kind == "eagle3" else b
         label = target.lm_head(b.target.to(target.lm_head.weight.dtype)).argmax(-1)   # (B, L)
-        if kind == "eagle":
-            outs = [o.float() @ proj.T for o in eagle_unroll(head, target.embed, b, depth)]
+        if kind != "medusa":
+            score = scorer(head, proj)
+            outs = [score(o).float() for o in eagle_unroll(head, target.embed, b, depth)]
         else:
             logits = head.logits(b.feats.to(proj.dtype), lambda f: f @ proj.T)      # (B, L, M, R)
             outs = [logits[:, :, m].float() for m in range(logits.shape[2])]
@@ -280,7 +294,7 @@ def accuracy_table(target, head, kind: str, seqs: list, depth: int, ranks: int =
             shift = d if kind == "medusa" else 0
             L = b.feats.shape[1] - shift
             mask = b.loss_mask[:, shift:].clone()
-            if kind == "eagle":
+            if kind != "medusa":
                 mask[:, :d] = False
             logits = logits[:, :L]                                                # (B, L, R)
             lab = label[:, shift:].contiguous()                                   # (B, L)
@@ -305,8 +319,9 @@ def held_out_tau(args, target, head, config, held: list, tokenizer) -> dict:
     if args.method == "medusa":
         proposer = MedusaProposer(target, head, static_tree(best_paths(config.accuracy, 16)))
         return {"medusa_16": round(measure_tau(target, proposer, seqs, 64, tokenizer.stop_ids), 3)}
-    eagle2 = EagleProposer(target, head, DraftConfig(5, 4, 16), 512)
-    chain = EagleProposer(target, head, DraftConfig(5, 1), 512)
+    proj = head.projection() if isinstance(head, Eagle3Head) else None     # default: the target's
+    eagle2 = EagleProposer(target, head, DraftConfig(5, 4, 16), 512, proj=proj)
+    chain = EagleProposer(target, head, DraftConfig(5, 1), 512, proj=proj)
     return {"eagle2_d5_k4_16": round(measure_tau(target, eagle2, seqs, 64, tokenizer.stop_ids), 3),
             "chain_5": round(measure_tau(target, chain, seqs, 64, tokenizer.stop_ids), 3)}
 
