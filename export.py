@@ -26,10 +26,10 @@ from safetensors.torch import load_file
 
 from checkpoint import (borrowed_embeddings, folder_config, load_head, read_head_config, read_json,
                         save_tensors, to_hf_names)
-from heads import EAGLE_ROPE_THETA, EagleHead, HeadConfig
+from heads import EAGLE_ROPE_THETA, Eagle3Head, EagleHead, HeadConfig, eagle3_taps
 from model import LlamaConfig, LoadError
 
-FORMATS = ("eagle", "hf")
+FORMATS = ("eagle", "eagle3", "hf")
 
 
 def check_exportable(config: HeadConfig, folder: str) -> None:
@@ -65,6 +65,34 @@ def eagle_config(layer: LlamaConfig) -> dict:
             "torch_dtype": "bfloat16"}
 
 
+def eagle3_folder(head: Eagle3Head, target_layers: int) -> tuple:
+    """(config.json, tensors) of an EAGLE-3 head as SpecForge writes it and SGLang, vLLM and
+    the authors' code read it: `midlayer.` names, q/k/v and gate/up apart, no embedding (each
+    engine uses the target's), d2t (target id = draft id + d2t) and t2d (its inverse, a mask).
+    Taps other than the default are written in both conventions (docs/ENGINES.md)."""
+    c, R, V = head.layer_config, head.vocab_ids.shape[0], head.layer_config.vocab_size
+    config = eagle_config(c) | {"architectures": ["LlamaForCausalLMEagle3"],
+                                "draft_vocab_size": R}
+    config.pop("bias")
+    if list(head.taps) != eagle3_taps(target_layers):
+        config |= {"eagle_aux_hidden_state_layer_ids": list(head.taps),
+                   "eagle_config": {"eagle_aux_hidden_state_layer_ids": [t - 1 for t in head.taps],
+                                    "use_aux_hidden_state": True}}
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    s = {k: v.detach() for k, v in head.state_dict().items()}
+    a, m = "midlayer.self_attn.", "midlayer.mlp."
+    for name, part in zip("qkv", s.pop(a + "wqkv.weight").split([q, kv, kv])):
+        s[a + name + "_proj.weight"] = part
+    s[a + "o_proj.weight"] = s.pop(a + "wo.weight")
+    s[m + "gate_proj.weight"], s[m + "up_proj.weight"] = s.pop(m + "w13.weight").chunk(2)
+    s[m + "down_proj.weight"] = s.pop(m + "w2.weight")
+    ids = s.pop("vocab_ids").cpu()
+    tensors = {k: v.to(torch.bfloat16).contiguous().cpu() for k, v in s.items()}
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    return config, tensors | {"d2t": ids - torch.arange(R), "t2d": t2d}
+
+
 def eagle_tensors(head: EagleHead, embed: torch.Tensor) -> dict:
     """Our head's tensors under the EAGLE names; embed (V, C): the target's embedding, which
     their Model holds as embed_tokens."""
@@ -98,9 +126,12 @@ def check_export(head_dir: str, out: str, fmt: str, force: bool = False) -> None
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         raise ValueError(f"{out}: cannot write there ({parent} is not a writable folder)")
+    if fmt == "eagle3" and read_head_config(head_dir).kind != "eagle3":
+        raise LoadError(f"{head_dir}: holds {read_head_config(head_dir).kind} heads; --format "
+                        "eagle3 exports EAGLE-3 heads")
     if fmt == "eagle":
         check_exportable(read_head_config(head_dir), head_dir)
-    else:
+    elif fmt == "hf":
         kind = read_json(os.path.join(head_dir, "config.json"), "the draft's config").get("kind")
         if kind:
             raise LoadError(f"{head_dir}: holds {kind} heads; --format hf exports a distilled "
@@ -111,13 +142,14 @@ def export_head(head_dir: str, target, out: str, fmt: str, force: bool = False) 
     """Write the head in head_dir as `fmt` into out, whole or not at all; a non-empty out is
     replaced only with force."""
     check_export(head_dir, out, fmt, force)
-    head, _ = load_head(head_dir, target, "eagle")
+    head, _ = load_head(head_dir, target, fmt)
+    config, tensors = (eagle3_folder(head, target.config.num_layers) if fmt == "eagle3" else
+                       (eagle_config(head.layer_config), eagle_tensors(head, target.embed.weight)))
 
     def fill(tmp: str) -> None:
-        save_tensors(eagle_tensors(head, target.embed.weight),
-                     os.path.join(tmp, "model.safetensors"), {"format": "pt"})
+        save_tensors(tensors, os.path.join(tmp, "model.safetensors"), {"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(eagle_config(head.layer_config), f, indent=1)
+            json.dump(config, f, indent=1)
     write_folder(out, fill)
 
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from decode import GenConfig, generate_ar, generate_spec
 from checkpoint import load_head, load_model
-from model import LoadError
+from model import LlamaConfig, LoadError
 from proposers import DraftConfig, EagleProposer
 from test_spec import default_path, tiny_model  # noqa: F401 (a fixture)
 
@@ -32,8 +32,10 @@ def specforge():
 
 
 @pytest.fixture
-def no_dynamo(monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+def no_dynamo():
+    import torch._dynamo
+    with torch._dynamo.config.patch(disable=True):
+        yield
 
 
 def specforge_head(cls, folder, seed=0):
@@ -304,3 +306,52 @@ def test_an_eagle3_head_trains_on_taps_and_decodes_exactly(tmp_path):
     assert outs[0].token_ids == outs[1].token_ids == generate_ar(target, prompt,
                                                                  GenConfig(20)).token_ids
     assert outs[0].accepted == outs[1].accepted and sum(outs[0].accepted) > 0
+
+
+def test_our_export_loads_strictly_in_specforge_and_drafts_the_same(specforge, no_dynamo,
+                                                                    tmp_path):
+    """`train_heads.py export --format eagle3`: SpecForge's class loads it with no key missing
+    but the embedding (every engine uses the target's) and none unexpected, and from the same
+    taps gives our head's logits and top-k drafts; our reader loads it back to the same head.
+    Taps other than the default are written in both layer-id conventions."""
+    import transformers
+    from safetensors.torch import load_file
+    import train_heads as th
+    from export import export_head
+    from heads import Eagle3Head, HeadConfig, eagle_layer_config
+    target = target_for_head()
+    c = target.config
+    torch.manual_seed(5)
+    vocab = torch.randperm(V)[:R].sort().values
+    for taps in ([2, 4, 5], [1, 3, 6]):
+        head = Eagle3Head(LlamaConfig(**eagle_layer_config(c)), vocab, taps)
+        with torch.no_grad():
+            for p in head.parameters():
+                p.normal_(0, 0.3)
+        config = HeadConfig("eagle3", C, V, R, layer=eagle_layer_config(c), taps=taps)
+        th.save_head(head, config, str(tmp_path / f"h{taps[0]}"))
+        out = tmp_path / f"e{taps[0]}"
+        export_head(str(tmp_path / f"h{taps[0]}"), target, str(out), "eagle3")
+        saved = json.loads((out / "config.json").read_text())
+        assert ("eagle_config" in saved) == (taps != [2, 4, 5])
+        ref = specforge(transformers.LlamaConfig.from_pretrained(out)).float().eval()
+        missing, extra = ref.load_state_dict(load_file(out / "model.safetensors"), strict=False)
+        assert missing == ["embed_tokens.weight"] and extra == [], (missing, extra)
+        ref.embed_tokens.weight.data.copy_(target.embed.weight)
+        ours, back = load_head(str(tmp_path / f"h{taps[0]}"), target, "eagle3")[0], \
+            load_head(str(out), target, "eagle3")
+        assert back[1].taps == taps
+        assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(),
+                                                      back[0].state_dict().values()))
+        g = torch.Generator().manual_seed(2)
+        feats, tokens = torch.randn(1, 6, 3 * C, generator=g), torch.randint(0, V, (1, 6), generator=g)
+        with torch.no_grad():
+            want = ref.compute_logits(ref.backbone(ref.embed_input_ids(tokens),
+                                                   ref.project_hidden_states(feats), None, None,
+                                                   torch.arange(6)[None]))
+            got = ours.projection()(ours(feats, target.embed(tokens), torch.arange(6)[None],
+                                         ours.new_cache(64)))
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        top = got[0].topk(3).indices
+        assert torch.equal(top, want[0].topk(3).indices)
+        assert torch.equal(ours.vocab_ids[top], top + ref.d2t[top])

@@ -156,6 +156,7 @@ def export_flags(p) -> None:
     p.add_argument("out", metavar="OUT", help="folder to write (new, or empty)")
     p.add_argument("--format", choices=FORMATS, required=True,
                    help="eagle: an EAGLE head in the EAGLE authors' layout (SGLang loads it); "
+                        "eagle3: an EAGLE-3 head as SpecForge writes it (SGLang, vLLM); "
                         "hf: the distilled draft as a whole HF Llama folder")
     p.add_argument("--force", action="store_true", help="replace OUT if it is not empty")
     p.add_argument("--model", help="the target HF folder the head was trained for, whose "
