@@ -32,12 +32,15 @@ from model import LlamaConfig, LoadError
 FORMATS = ("eagle", "eagle3", "hf")
 
 
-def check_exportable(config: HeadConfig, folder: str) -> None:
-    """LoadError naming what the EAGLE format cannot express, before anything is written."""
+def check_exportable(config: HeadConfig, folder: str, fmt: str) -> None:
+    """LoadError naming what the format (eagle, eagle3) cannot express, before anything is
+    written."""
     layer = config.layer
     why = None
-    if config.kind != "eagle":
-        why = f"it holds {config.kind} heads; --format eagle exports EAGLE heads"
+    if config.kind != fmt:
+        why = f"it holds {config.kind} heads; --format {fmt} exports {fmt} heads"
+    elif fmt == "eagle3":
+        return
     elif layer["num_layers"] != 1:
         why = f"it has {layer['num_layers']} decoder layers; the EAGLE format has one"
     elif config.input_norm:
@@ -49,7 +52,7 @@ def check_exportable(config: HeadConfig, folder: str) -> None:
     elif layer["head_dim"] * layer["num_heads"] != layer["hidden_size"] or layer["attention_bias"]:
         why = "its attention's shape (head_dim, biases) is not one the EAGLE code builds"
     if why:
-        raise LoadError(f"{folder}: cannot export as --format eagle: {why}")
+        raise LoadError(f"{folder}: cannot export as --format {fmt}: {why}")
 
 
 def eagle_config(layer: LlamaConfig) -> dict:
@@ -126,12 +129,9 @@ def check_export(head_dir: str, out: str, fmt: str, force: bool = False) -> None
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         raise ValueError(f"{out}: cannot write there ({parent} is not a writable folder)")
-    if fmt == "eagle3" and read_head_config(head_dir).kind != "eagle3":
-        raise LoadError(f"{head_dir}: holds {read_head_config(head_dir).kind} heads; --format "
-                        "eagle3 exports EAGLE-3 heads")
-    if fmt == "eagle":
-        check_exportable(read_head_config(head_dir), head_dir)
-    elif fmt == "hf":
+    if fmt != "hf":
+        check_exportable(read_head_config(head_dir), head_dir, fmt)
+    else:
         kind = read_json(os.path.join(head_dir, "config.json"), "the draft's config").get("kind")
         if kind:
             raise LoadError(f"{head_dir}: holds {kind} heads; --format hf exports a distilled "

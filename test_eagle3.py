@@ -355,3 +355,10 @@ def test_our_export_loads_strictly_in_specforge_and_drafts_the_same(specforge, n
         top = got[0].topk(3).indices
         assert torch.equal(top, want[0].topk(3).indices)
         assert torch.equal(ours.vocab_ids[top], top + ref.d2t[top])
+
+
+def test_export_eagle3_refuses_a_head_of_another_kind(tmp_path):
+    from default_model import WEIGHTS
+    from export import check_export
+    with pytest.raises(LoadError, match="holds eagle heads; --format eagle3 exports eagle3"):
+        check_export(f"{WEIGHTS}/smollm2-135m-eagle", str(tmp_path / "x"), "eagle3")
