@@ -444,7 +444,7 @@ class Compiled(nn.Module):
     def forward(self, tokens, positions, cache, mask=None, last_only=False, taps=()):
         n, start = tokens.shape[1], cache.length
         size = next((s for s in self.sizes if s >= n), None)
-        if size is None or taps:                    # a prefill; EAGLE-3's taps: not compiled
+        if size is None or taps:          # a prefill; EAGLE-3's taps run eager (no --compile)
             return self.model(tokens, positions, cache, mask, last_only, taps=taps)
         tree = (torch.ones(n, n, dtype=torch.bool).tril() if mask is None
                 else mask[:, start:].cpu())                         # (n, n) among new tokens
