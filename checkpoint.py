@@ -333,19 +333,16 @@ def eagle3_config(hf: dict, folder: str) -> HeadConfig:
 def head_tensors(folder: str) -> tuple:
     """-> (path, {name: tensor}) of the folder's model.safetensors, else pytorch_model.bin."""
     path = f"{folder}/model.safetensors"
-    if not os.path.isfile(path) and os.path.isfile(f"{folder}/pytorch_model.bin"):
-        path = f"{folder}/pytorch_model.bin"
-        try:
-            tensors = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:                  # pickle and zip raise many kinds
-            raise LoadError(f"{path}: unreadable ({str(e).splitlines()[0][:120]})") from None
-        if isinstance(tensors, dict) and all(isinstance(t, torch.Tensor) for t in tensors.values()):
-            return path, tensors
-        raise LoadError(f"{path}: not a state dict of tensors")
     try:
-        return path, load_file(path)
-    except (SafetensorError, OSError) as e:
-        raise LoadError(f"{path}: unreadable ({e})") from None
+        if os.path.isfile(path) or not os.path.isfile(f"{folder}/pytorch_model.bin"):
+            return path, load_file(path)
+        path = f"{folder}/pytorch_model.bin"
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:                      # safetensors, pickle and zip raise many kinds
+        raise LoadError(f"{path}: unreadable ({(str(e).splitlines() or [''])[0][:160]})") from None
+    if isinstance(tensors, dict) and all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        return path, tensors
+    raise LoadError(f"{path}: not a state dict of tensors")
 
 
 def eagle3_tensors(t: dict, config: HeadConfig, path: str) -> dict:

@@ -165,7 +165,8 @@ def test_the_published_layouts_load_alike(tmp_path):
     assert torch.equal(load_head(folder, target, "eagle3")[0].vocab_ids, torch.arange(V))
 
 
-@pytest.mark.parametrize("case", ["missing", "extra", "shape", "d2t", "variant", "bin", "target"])
+@pytest.mark.parametrize("case", ["missing", "extra", "shape", "d2t", "variant", "bin", "corrupt",
+                                  "target"])
 def test_a_bad_published_head_is_one_line_naming_file_and_key(tmp_path, case):
     drop = lambda key: lambda t: {k: v for k, v in t.items() if k != key}   # noqa: E731
     folder, tensors, fields, want = tmp_path / "h", None, None, None
@@ -182,10 +183,13 @@ def test_a_bad_published_head_is_one_line_naming_file_and_key(tmp_path, case):
     elif case == "target":
         fields, want = {"vocab_size": V + 1}, "head trained for hidden size 64 and vocab 257"
     path = write_head(folder, fields, tensors)
-    if case == "bin":
+    if case in ("bin", "corrupt"):
         (folder / "model.safetensors").unlink()
         torch.save([1, 2], folder / "pytorch_model.bin")
         want = "pytorch_model.bin: not a state dict of tensors"
+    if case == "corrupt":
+        (folder / "pytorch_model.bin").write_bytes(b"PK\x03\x04 not a zip")
+        want = "pytorch_model.bin: unreadable ("
     with pytest.raises(LoadError) as e:
         load_head(path, target_for_head(), "eagle3")
     assert want in str(e.value) and path in str(e.value) and "\n" not in str(e.value)
