@@ -364,7 +364,8 @@ def eagle3_tensors(t: dict, config: HeadConfig, path: str) -> dict:
         t[m + "w13.weight"] = torch.cat([t.pop(m + n + "_proj.weight") for n in ("gate", "up")])
         t[m + "w2.weight"] = t.pop(m + "down_proj.weight")
     except (KeyError, RuntimeError) as e:
-        raise LoadError(f"{path}: the tensor {e.args[0]!r} is missing or of the wrong shape") from None
+        raise LoadError(f"{path}: " + (f"no tensor {e.args[0]!r}" if isinstance(e, KeyError) else
+                                       f"q/k/v or gate/up of shapes that do not join ({e})")) from None
     return t | {"vocab_ids": ids}
 
 

@@ -70,6 +70,7 @@ def plain_speed(model: Llama, tokens: int) -> dict:
 def run(device: str, small: bool) -> dict:
     layers, tokens = (2, 12) if small else (0, 64)
     report = {"machine": machine_name(device), "torch": torch.__version__, "small": small}
+    torch.manual_seed(0)                         # the same random weights every run
     for dtype in (torch.float32, torch.bfloat16):
         model = random_model("smollm2-135m-thin", dtype, device, layers)
         # --small compiles bfloat16's graphs only: the same code, half the suite's minute

@@ -164,13 +164,12 @@ SHAPES = {
 
 
 def random_model(name: str, dtype=torch.float32, device="cpu", layers: int = 0) -> Llama:
-    """A Llama of a known shape (SHAPES) with nn's default random init (seed 0), built on the
-    device; layers: cut to that many (0: all)."""
+    """A Llama of a known shape (SHAPES) with nn's default random init, built on the device;
+    layers: cut to that many (0: all)."""
     if name not in SHAPES:
         raise LoadError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}")
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)          # built in dtype: 8B in fp32 first would need 32 GB
-    torch.manual_seed(0)
     try:
         with torch.device(device):
             model = Llama(replace(SHAPES[name], num_layers=layers or SHAPES[name].num_layers))

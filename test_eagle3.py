@@ -165,8 +165,8 @@ def test_the_published_layouts_load_alike(tmp_path):
     assert torch.equal(load_head(folder, target, "eagle3")[0].vocab_ids, torch.arange(V))
 
 
-@pytest.mark.parametrize("case", ["missing", "extra", "shape", "d2t", "variant", "bin", "corrupt",
-                                  "target"])
+@pytest.mark.parametrize("case", ["missing", "extra", "shape", "no q", "k apart", "d2t", "variant",
+                                  "bin", "corrupt", "target"])
 def test_a_bad_published_head_is_one_line_naming_file_and_key(tmp_path, case):
     drop = lambda key: lambda t: {k: v for k, v in t.items() if k != key}   # noqa: E731
     folder, tensors, fields, want = tmp_path / "h", None, None, None
@@ -176,6 +176,11 @@ def test_a_bad_published_head_is_one_line_naming_file_and_key(tmp_path, case):
         tensors, want = lambda t: t | {"fc.bias": torch.zeros(C)}, "unexpected tensor 'fc.bias'"
     elif case == "shape":
         tensors, want = lambda t: t | {"norm.weight": torch.ones(C + 1)}, "size mismatch for norm.weight"
+    elif case == "no q":
+        tensors, want = drop("midlayer.self_attn.q_proj.weight"), "no tensor 'midlayer.self_attn.q_proj.weight'"
+    elif case == "k apart":
+        tensors = lambda t: t | {"midlayer.self_attn.k_proj.weight": torch.zeros(C // 2, 2 * C + 1)}
+        want = "q/k/v or gate/up of shapes that do not join"
     elif case == "d2t":
         tensors, want = lambda t: t | {"d2t": torch.arange(R) * 9}, "d2t of shape (48,) does not map"
     elif case == "variant":
