@@ -57,14 +57,6 @@ def config_from_hf(hf: dict) -> LlamaConfig:
         raise LoadError(f"the field {e.args[0]!r} is missing") from None
 
 
-def hf_tensor_shapes(c: LlamaConfig) -> dict:
-    """The tensors a HF Llama checkpoint must hold for this config, name -> shape (o_proj's
-    bias, which a checkpoint may omit, left out)."""
-    with torch.device("meta"):
-        hf = to_hf_names(Llama(c, init=False).state_dict(), c)
-    return {k: tuple(v.shape) for k, v in hf.items() if not k.endswith("o_proj.bias")}
-
-
 def to_our_names(hf: dict, c: LlamaConfig) -> dict:
     """Rename HF tensors to this model's names, fusing q/k/v and gate/up."""
     sd = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
@@ -155,7 +147,9 @@ def read_safetensors(files: list, dtype) -> dict:
 
 def check_tensors(tensors: dict, c: LlamaConfig) -> None:
     """Every expected tensor present with its shape, nothing unexpected: else one clear error."""
-    expected = hf_tensor_shapes(c)
+    with torch.device("meta"):                  # the names and shapes, o_proj's bias optional
+        hf = to_hf_names(Llama(c, init=False).state_dict(), c)
+    expected = {k: tuple(v.shape) for k, v in hf.items() if not k.endswith("o_proj.bias")}
     tolerated = {"lm_head.weight"} if c.tie_embeddings else set()   # some tied checkpoints keep it
     if c.attention_bias:                                             # optional: absent means zero
         tolerated |= {f"model.layers.{i}.self_attn.o_proj.bias" for i in range(c.num_layers)}
@@ -290,8 +284,9 @@ def read_head_config(folder: str) -> HeadConfig:
             raise TypeError("no 'kind': a model's config? a draft model goes to --draft; an "
                             "exported EAGLE folder is for serving engines, --head takes the "
                             "folder it was exported from")
-        if config["kind"] == "eagle":    # written before the field: those had the norm
-            config.setdefault("input_norm", True)
+        if config.pop("input_norm", False):     # this project's own older layout, deleted
+            raise LoadError(f"{folder}: an EAGLE head of this project's older layout (a norm "
+                            "before attention), which this version does not read")
         if config.pop("own_projection", False):
             raise LoadError(f"{folder}/config.json: Medusa heads with projections of their "
                             "own are not supported; train heads that share the target's")
@@ -384,9 +379,6 @@ def load_head(folder: str, target, kind: str) -> tuple:
                             f"target's {N} layers")
         # a published head's names (train_heads.py's own have this module's, vocab_ids too)
         tensors = tensors if "vocab_ids" in tensors else eagle3_tensors(tensors, config, path)
-    # heads saved by older versions name their decoder layer "layer."
-    tensors = {("layers.0." + k.removeprefix("layer.") if k.startswith("layer.") else k): v
-               for k, v in tensors.items()}
     head = build_head(config, tensors.get("vocab_ids", torch.zeros(config.draft_vocab)))
     try:                                        # one line naming the first key that does not fit
         missing, extra = head.load_state_dict(tensors, strict=False)

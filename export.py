@@ -43,9 +43,6 @@ def check_exportable(config: HeadConfig, folder: str, fmt: str) -> None:
         return
     elif layer["num_layers"] != 1:
         why = f"it has {layer['num_layers']} decoder layers; the EAGLE format has one"
-    elif config.input_norm:
-        why = ("its layer has an RMS norm before attention (heads of older versions); train it "
-               "further with `train_heads.py --init` to move it to EAGLE's layout")
     elif layer["rope_theta"] != EAGLE_ROPE_THETA or layer["rope_scaling"]:
         why = (f"its RoPE (theta {layer['rope_theta']}, scaling {layer['rope_scaling']}) is not "
                f"the EAGLE code's fixed base {EAGLE_ROPE_THETA:g}")

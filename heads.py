@@ -10,6 +10,7 @@ head file holds only what the head adds; an EAGLE-3 head has an lm_head of its o
 Dimensions: B batch, T tokens, C hidden size, V target vocab, R draft vocab, M Medusa heads.
 """
 import heapq
+import math
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -28,8 +29,6 @@ class HeadConfig:
     num_heads: int = 4           # Medusa: M heads, head i predicts i + 2 tokens ahead
     layer: dict = field(default_factory=dict)     # EAGLE: LlamaConfig fields of its decoder layer
     accuracy: list = field(default_factory=list)  # [depth][rank] measured P(correct | path so far)
-    input_norm: bool = False     # EAGLE: an RMS norm before the layer's attention (heads of
-                                 # older versions, the shipped one too; EAGLE's layout has none)
     taps: list = field(default_factory=list)      # EAGLE-3: the target layers whose input it
                                  # reads (hidden_states indices); [] the default 2, N/2, N - 3
 
@@ -46,15 +45,14 @@ class EagleHead(nn.Module):
 
     The layout is the EAGLE authors' (eagle/model/cnets.py): fc with a bias, no RMS norm before
     the layer's attention, the predicted feature projected by the target's lm_head as it is;
-    so a head exports to their format (export.py). input_norm=True is this project's older
-    layout, which the shipped head still has."""
+    so a head exports to their format (export.py)."""
 
-    def __init__(self, layer: LlamaConfig, vocab_ids: torch.Tensor, input_norm: bool = False):
+    def __init__(self, layer: LlamaConfig, vocab_ids: torch.Tensor):
         super().__init__()
         C = layer.hidden_size
         self.layer_config = layer
         self.fc = nn.Linear(2 * C, C)
-        self.layers = nn.ModuleList([Block(layer, input_norm)])   # "layers.0.", as in Llama
+        self.layers = nn.ModuleList([Block(layer, input_norm=False)])      # "layers.0."
         self.register_buffer("vocab_ids", vocab_ids.long())              # (R,)
         self.rope = Rope(layer)
 
@@ -137,11 +135,6 @@ class MedusaHeads(nn.Module):
         """hidden (..., C) -> (..., M, C): one feature per head, for the shared projection."""
         return torch.stack([hidden + nn.functional.silu(b(hidden)) for b in self.blocks], -2)
 
-    def logits(self, hidden, shared) -> torch.Tensor:
-        """hidden (..., C), shared: the projection onto the target's rows (a module C -> R, see
-        `projection`) -> (..., M, R)."""
-        return shared(self(hidden))                                      # (..., M, R)
-
 
 def projection_rows(target, vocab_ids: torch.Tensor) -> torch.Tensor:
     """(R, C): the target's lm_head rows of the draft vocabulary (a copy, R/V of its size)."""
@@ -166,7 +159,7 @@ def build_head(config: HeadConfig, vocab_ids: torch.Tensor) -> nn.Module:
     if config.kind == "eagle3":
         return Eagle3Head(LlamaConfig(**config.layer), vocab_ids, config.taps)
     if config.kind == "eagle":
-        return EagleHead(LlamaConfig(**config.layer), vocab_ids, config.input_norm)
+        return EagleHead(LlamaConfig(**config.layer), vocab_ids)
     return MedusaHeads(config.hidden_size, config.num_heads, vocab_ids)
 
 
@@ -205,20 +198,14 @@ def best_paths(accuracy: list, size: int) -> list:
 def expected_length(accuracy: list, size: int) -> float:
     """Expected tokens per step (accepted drafts + the target's own token) of the best static
     tree with `size` drafted nodes: 1 + the sum of its paths' acceptance probabilities."""
-    total = 1.0
-    for path in best_paths(accuracy, size):
-        p = 1.0
-        for d, r in enumerate(path):
-            p *= accuracy[d][r]
-        total += p
-    return total
+    return sum((math.prod(accuracy[d][r] for d, r in enumerate(path))
+                for path in best_paths(accuracy, size)), 1.0)
 
 
 def choose_tree_size(expected: dict, verify_ms, draft_ms: dict, extra: int = 0) -> tuple:
     """The size n maximizing expected tokens per second, expected[n] / (draft_ms[n] +
     verify_ms(n + 1 + extra)). verify_ms(k): ms of a forward over k tokens; draft_ms {n: ms of
     drafting n nodes}; extra: tokens that ride along in every verify pass (eagle2+ngram's
-    lookup chain). -> (n, {n: predicted tokens per second}, {n: verify ms})."""
-    verify = {n: verify_ms(n + 1 + extra) for n in expected}
-    speed = {n: 1000 * e / (draft_ms[n] + verify[n]) for n, e in expected.items()}
-    return max(speed, key=speed.get), speed, verify
+    lookup chain). -> (n, {n: predicted tokens per second})."""
+    speed = {n: 1000 * e / (draft_ms[n] + verify_ms(n + 1 + extra)) for n, e in expected.items()}
+    return max(speed, key=speed.get), speed

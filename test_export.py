@@ -15,7 +15,6 @@ from heads import EagleHead, HeadConfig, eagle_layer_config
 from model import KVCache, LlamaConfig, LoadError
 from test_spec import default_path, tiny_model  # noqa: F401 (default_path is a fixture)
 
-import features
 import train_heads
 
 transformers = pytest.importorskip("transformers")
@@ -53,7 +52,7 @@ def saved_head(folder, target, seed=0, **config) -> EagleHead:
                     layer=eagle_layer_config(c))
     for k, v in config.items():
         setattr(hc, k, v)
-    head = EagleHead(LlamaConfig(**hc.layer), torch.arange(c.vocab_size), hc.input_norm)
+    head = EagleHead(LlamaConfig(**hc.layer), torch.arange(c.vocab_size))
     with torch.no_grad():
         for p in head.parameters():
             p.copy_(torch.randn_like(p).mul(0.3).bfloat16())
@@ -126,7 +125,7 @@ def test_export_and_reload_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("case, message", [
-    ("input_norm", "RMS norm before attention"), ("rope", "RoPE"),
+    ("rope", "RoPE"),
     ("medusa", "holds medusa heads")])
 def test_a_head_the_format_cannot_express_is_refused_and_nothing_is_written(
         tmp_path, case, message):
@@ -139,9 +138,7 @@ def test_a_head_the_format_cannot_express_is_refused_and_nothing_is_written(
                   HeadConfig("medusa", c.hidden_size, c.vocab_size, c.vocab_size, 2), str(folder))
     else:
         layer = eagle_layer_config(target.config)
-        extra = {"input_norm": dict(input_norm=True),
-                 "rope": dict(layer=layer | {"rope_theta": 5e5})}[case]
-        saved_head(folder, target, **extra)
+        saved_head(folder, target, layer=layer | {"rope_theta": 5e5})
     with pytest.raises(LoadError, match=message):
         export_head(str(folder), target, str(tmp_path / "out"), "eagle")
     assert not os.path.exists(tmp_path / "out")
@@ -201,34 +198,22 @@ def test_a_replacement_that_fails_at_the_rename_keeps_the_old_folder(tmp_path, m
         "the old folder was deleted with the new one"
 
 
-def test_an_older_head_moves_to_eagles_layout_and_computes_about_the_same(tmp_path):
-    """train_heads --init on a head with an input norm: the norm folds into q, k and v at the
-    RMS its input has, and the RoPE base becomes EAGLE's: exact where that RMS is constant."""
+def test_a_head_of_the_older_layout_is_refused_in_one_line(tmp_path):
+    """This project's own older EAGLE layout (a norm before attention) was deleted: such a
+    folder is named, not misread."""
     target = tiny_model(3).float()
-    c = target.config
-    old_layer = eagle_layer_config(c) | {"rope_theta": 10000.0}     # the fold alone, first
-    old = saved_head(tmp_path / "old", target, 3, input_norm=True, layer=old_layer)
-    with torch.no_grad():
-        old.layers[0].attn_norm.weight.copy_(torch.rand(c.hidden_size) + 0.5)
-        old.fc.weight.zero_()             # the layer's input is fc's bias: a constant RMS
-    tokens = torch.randint(0, c.vocab_size, (1, 30))
-    _, hidden = target(tokens, torch.arange(30)[None], target.new_cache(1, 64))
-    seq = features.Seq(tokens[0], hidden[0, :-1], 3)
-    config = HeadConfig("eagle", c.hidden_size, c.vocab_size, c.vocab_size, layer=old_layer,
-                        input_norm=True)
-    moved, moved_config = train_heads.to_eagle_layout(old, config, target.embed, [seq])
-    assert not moved_config.input_norm and moved_config.layer["rope_theta"] == 1e4
-    with torch.no_grad():
-        a = ours(old, target.embed.weight, hidden[0, :-1], tokens[0, 1:])
-        b = ours(moved, target.embed.weight, hidden[0, :-1], tokens[0, 1:])
-    assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (a - b).abs().max()
+    saved_head(tmp_path / "old", target)
+    config = json.loads((tmp_path / "old" / "config.json").read_text())
+    (tmp_path / "old" / "config.json").write_text(json.dumps(config | {"input_norm": True}))
+    with pytest.raises(LoadError, match="older layout .a norm before attention."):
+        load_head(str(tmp_path / "old"), target, "eagle")
 
 
 @pytest.mark.slow
-def test_the_shipped_head_moved_to_eagles_layout_drafts_the_same_in_the_eagle_authors_model(
+def test_the_shipped_head_exports_and_drafts_the_same_in_the_eagle_authors_model(
         default_path, tmp_path):
-    """At the real model's scale: the shipped head (the older layout) moved by to_eagle_layout
-    as --init moves it, exported, and run by the EAGLE authors' Model."""
+    """At the real model's scale: the shipped EAGLE head, exported, loaded strictly and run by
+    the EAGLE authors' Model."""
     from checkpoint import load_model
     from tokenizer import load_tokenizer
     target = load_model(default_path, torch.float32, "cpu")
@@ -238,13 +223,9 @@ def test_the_shipped_head_moved_to_eagles_layout_drafts_the_same_in_the_eagle_au
     with torch.no_grad():
         _, hidden = target(tokens, torch.arange(T)[None], target.new_cache(1, T + 8))
     feats, next_tokens = hidden[0, :-1], tokens[0, 1:]
-    old, config = load_head(f"{WEIGHTS}/smollm2-135m-eagle", target, "eagle")
-    seq = features.Seq(tokens[0], feats, T)
-    head, config = train_heads.to_eagle_layout(old.float(), config, target.embed, [seq])
-    train_heads.save_head(head, config, str(tmp_path / "head"))
-    export_head(str(tmp_path / "head"), target, str(tmp_path / "eagle"), "eagle")
+    export_head(f"{WEIGHTS}/smollm2-135m-eagle", target, str(tmp_path / "eagle"), "eagle")
     theirs = their_model(str(tmp_path / "eagle"))
-    head, _ = load_head(str(tmp_path / "head"), target, "eagle")          # as saved: 16-bit
+    head, _ = load_head(f"{WEIGHTS}/smollm2-135m-eagle", target, "eagle")
     with torch.no_grad():
         want = theirs(feats[None], next_tokens[None])[0]
         got = ours(head.float(), theirs.embed_tokens.weight, feats, next_tokens)

@@ -15,9 +15,6 @@ data, steps, wall time and losses, to OUT/training.json.
     python train_heads.py export my-eagle OUT --format eagle
 
 writes a trained EAGLE head in the EAGLE authors' format, for serving engines (export.py).
-
-Dimensions: B batch, T tokens, S cache slots, C hidden size, V vocab, R reduced draft vocab,
-J unrolled draft steps (EAGLE-3's training-time test).
 """
 import argparse
 import copy
@@ -38,8 +35,7 @@ from default_model import default_model_path
 from export import FORMATS, check_export, export_draft, export_head
 from features import (draft_vocabulary, extract_features, load_features, make_batch,
                       read_conversations, templated_prompts)
-from heads import (EAGLE_ROPE_THETA, HeadConfig, build_head, eagle3_taps, eagle_layer_config,
-                   projection_rows)
+from heads import HeadConfig, build_head, eagle3_taps, eagle_layer_config, projection_rows
 from methods import DRAFT_VOCAB, parse_flags
 from model import Llama, LlamaConfig
 from proposers import DraftModelProposer
@@ -244,6 +240,8 @@ def train_and_save(args, model_path: str, features: str, tokenizer) -> None:
     target = load_model(model_path, torch.float32, args.device).requires_grad_(False)
     seqs = [s for folder in features.split(",")            # "~" after a comma: the shell keeps it
             for s in load_features(os.path.expanduser(folder))]
+    if args.method != "eagle3":         # an EAGLE-3 folder holds [taps; final hidden]: the final
+        seqs = [replace(s, hidden=s.hidden[:, -target.config.hidden_size:]) for s in seqs]
     if len(seqs) <= args.held_out:
         raise ValueError(f"{len(seqs)} sequences in {features}: need more than --held-out "
                          f"{args.held_out}")
@@ -260,7 +258,7 @@ def train_and_save(args, model_path: str, features: str, tokenizer) -> None:
 
 
 def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) -> dict:
-    head, config = (init_head(args, target, train_seqs) if args.init
+    head, config = (init_head(args, target) if args.init
                     else new_head(args, target, train_seqs, tokenizer.stop_ids))
     proj = projection_rows(target, head.vocab_ids)                         # (R, C)
     device = proj.device
@@ -280,7 +278,7 @@ def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) 
             return medusa_loss(head, proj, make_batch(seqs).to(device))
     record = train(head, loss_fn, train_seqs, tc, args.out)
     if args.init and args.wise < 1:
-        interpolate(head, init_head(args, target, train_seqs)[0], args.wise)
+        interpolate(head, init_head(args, target)[0], args.wise)
     head.eval()
     depth = args.heads if args.method == "medusa" else max(UNROLL, 6)
     config.accuracy = [[round(a, 4) for a in row]
@@ -322,38 +320,12 @@ def interpolate(head, start, alpha: float) -> None:
                 w.lerp_(theirs[name].to(w), 1 - alpha)
 
 
-def init_head(args, target, seqs: list) -> tuple:
+def init_head(args, target) -> tuple:
     """-> (head, HeadConfig) of the trained head in --init, to train further: its shape and
-    draft vocabulary are kept (--draft-vocab and --heads do not apply), but for an older EAGLE
-    head's move to EAGLE's layout (`to_eagle_layout`)."""
+    draft vocabulary are kept (--draft-vocab and --heads do not apply)."""
     head, config = load_head(args.init, target, args.method)
     config.accuracy = []                                                   # measured again
-    if config.input_norm:
-        head, config = to_eagle_layout(head.float(), config, target.embed, seqs)
     return head.float().train().requires_grad_(True), config
-
-
-@torch.no_grad()
-def to_eagle_layout(head, config: HeadConfig, embed, seqs: list) -> tuple:
-    """A head of the older layout (an RMS norm before attention, the target's RoPE base) as a
-    start in EAGLE's (heads.EagleHead): the norm's weight w and the mean RMS r that its input
-    has on these sequences fold into q, k and v (norm(x) ~ x * w / r), and RoPE takes EAGLE's
-    base. An approximation, which the training that follows adapts to."""
-    fc_out = []
-    for s in seqs[:64]:
-        feats = s.hidden[None].to(head.fc.weight)                           # (1, n - 1, C)
-        tokens = s.tokens[None, 1:].to(embed.weight.device)
-        x = head.fc(torch.cat([embed(tokens).to(feats), feats], -1))
-        fc_out.append((x[0].pow(2).mean(-1) + config.layer["rms_eps"]).sqrt())   # (n - 1,)
-    r = torch.cat(fc_out).mean()
-    config = replace(config, input_norm=False,
-                     layer=config.layer | {"rope_theta": EAGLE_ROPE_THETA})
-    moved = build_head(config, head.vocab_ids).to(head.fc.weight)
-    state = head.state_dict()
-    w = state.pop("layers.0.attn_norm.weight") / r                          # (C,)
-    state["layers.0.attn.wqkv.weight"] = state["layers.0.attn.wqkv.weight"] * w      # (3C', C)
-    moved.load_state_dict(state)
-    return moved, config
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -406,8 +378,7 @@ def save_draft(draft, target_folder: str, out: str, info: dict | None = None,
     os.makedirs(out, exist_ok=True)
     save_tensors({k: v.bfloat16() for k, v in tensors.items()}, f"{out}/model.safetensors",
                  {"format": "pt"})
-    with open(f"{target_folder}/config.json") as f:
-        hf = json.load(f)
+    hf = read_json(f"{target_folder}/config.json", "config.json")
     write_json(f"{out}/config.json", hf | {"num_hidden_layers": c.num_layers,
                                             "torch_dtype": "bfloat16"})
     for name in TOKENIZER_FILES:
