@@ -34,6 +34,8 @@ TREE_DEFAULTS = {"draft": (1, 1, 0), "ngram": (3, 1, 0), "medusa": (4, 1, "auto"
                  "eagle2+ngram": (3, 4, "auto"), "eagle3": (3, 4, "auto")}
 HEAD_KIND = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle", "eagle2+ngram": "eagle",
              "eagle3": "eagle3"}
+# the head kinds a method's kind drafts with: the EAGLE methods take either EAGLE layout
+LAYOUTS = {"medusa": ("medusa",), "eagle": ("eagle", "eagle3"), "eagle3": ("eagle3",)}
 GROWN = ("eagle2", "eagle3")             # EAGLE-2's dynamic tree (eagle3: an EAGLE-3 head's)
 # eagle2+ngram's lookup branch, scaled by the match (2, 4 or 6 tokens after a match of 1, 2 or
 # 3): 6 measured best of 3, 6, 12 and 24 (docs/RESULTS.md)
@@ -261,8 +263,7 @@ def build_head(mc: MethodConfig, target, slots: int, extra: int = 0) -> tuple:
     """Medusa / EAGLE / EAGLE-2 from a trained head folder (default: the shipped weights).
     extra: tokens verified beside the head's tree each step (a lookup chain), for auto's prices.
     -> (proposer, costs.Sizer for --tree-size auto or None, info)."""
-    kind = HEAD_KIND[mc.method]
-    folder = head_folder(mc.heads, kind)
+    folder, kind = head_folder(mc.heads, HEAD_KIND[mc.method])
     head, config = load_head(folder, target, kind)
     params = sum(p.numel() for p in head.parameters())
     head = quantize(head, draft_form(mc, head), rows=False)
@@ -274,7 +275,8 @@ def build_head(mc: MethodConfig, target, slots: int, extra: int = 0) -> tuple:
     # compiled, a tree is padded to one size: auto's prices would be flat, so a fixed size
     auto = mc.tree_size == "auto" and not mc.compile
     fixed = COMPILED_NODES if mc.compile and mc.tree_size == "auto" else mc.tree_size
-    most = per_step_most(mc.depth, mc.top_k)
+    # most nodes EAGLE-2 may verify a step: all it drafts (k root children, then k x k a round)
+    most = min(mc.top_k + (mc.depth - 1) * mc.top_k * mc.top_k, AUTO_MAX)
     if auto and not accuracy:
         raise ValueError(f"{folder} records no measured accuracy, which --tree-size auto prices "
                          f"trees with; give --tree-size N")
@@ -296,12 +298,6 @@ def build_head(mc: MethodConfig, target, slots: int, extra: int = 0) -> tuple:
     return proposer, sizer, {"draft": folder, "draft_params": params,
                              "draft_memory_mb": round(memory / 2**20, 1),
                              "tree_size": "auto" if auto else size}
-
-
-def per_step_most(depth: int, top_k: int) -> int:
-    """Most nodes EAGLE-2 may verify a step: all it drafts (top_k children of the root, then
-    top_k x top_k per round), at most AUTO_MAX."""
-    return min(top_k + (depth - 1) * top_k * top_k, AUTO_MAX)
 
 
 def share_embeddings(draft, target):
@@ -332,29 +328,35 @@ def draft_projection(mc: MethodConfig, target, vocab_ids):
     return convert(proj, draft_form(mc, proj), "the draft vocabulary's projection", rows=False)
 
 
-def head_folder(heads, kind: str) -> str:
-    """The folder of `heads` that holds a head of this kind, else the one shipped in weights/."""
-    chosen = [f for f in heads if read_head_config(f).kind == kind]
+def head_folder(heads, kind: str) -> tuple:
+    """-> (folder, its head's kind): the folder of `heads` that holds a head this kind of method
+    drafts with (LAYOUTS), else the one shipped in weights/."""
+    chosen = [(f, k) for f in heads if (k := read_head_config(f).kind) in LAYOUTS[kind]]
     if len(chosen) > 1:
-        raise ValueError(f"--head: {' and '.join(chosen)} all hold {kind} heads; give one")
+        raise ValueError(f"--head: {' and '.join(f for f, _ in chosen)} all hold heads for "
+                         f"{kind}; give one")
     if not chosen and kind == "eagle3":
         raise ValueError("--method eagle3: no EAGLE-3 head is shipped yet; give one with --head "
                          "DIR (a published EAGLE-3 head for this target)")
-    return chosen[0] if chosen else os.path.join(WEIGHTS, f"smollm2-135m-{kind}")
+    return chosen[0] if chosen else (os.path.join(WEIGHTS, f"smollm2-135m-{kind}"), kind)
 
 
-def check_heads(heads, methods: list) -> None:
+def check_heads(heads, methods: list, compile: bool = False) -> None:
     """Each head folder must be read by one of the methods: a head given for nothing is a
-    mistake (a typo in --methods, or the wrong folder), not something to ignore."""
+    mistake (a typo in --methods, or the wrong folder), not something to ignore. An EAGLE-3
+    head reads three target layers, which the compiled step does not return yet."""
     kinds = {HEAD_KIND[m] for m in methods if m in HEAD_KIND}
     for folder in heads:
         kind = read_head_config(folder).kind
-        if kind not in kinds:
-            users = ", ".join(m for m, k in HEAD_KIND.items() if k == kind)
+        if not any(kind in LAYOUTS[k] for k in kinds):
+            users = ", ".join(m for m, k in HEAD_KIND.items() if kind in LAYOUTS[k])
             raise ValueError(f"--head {folder} holds {kind} heads, which only {users} draft "
                              f"with, and no such method was chosen ({', '.join(methods)})")
     for kind in kinds:
-        head_folder(heads, kind)                        # one head a kind, and one for eagle3
+        if head_folder(heads, kind)[1] == "eagle3" and compile:     # one head a kind, too
+            raise ValueError("--compile: an EAGLE-3 head reads three of the target's layers, "
+                             "which the compiled step does not return yet; run it without "
+                             "--compile")
 
 
 def room(mc: MethodConfig) -> int:

@@ -42,10 +42,6 @@ def method_of(args, method: str, compile: bool | None = None):
                          compile=args.compile if compile is None else compile)
 
 
-def gen_of(args, temperature: float) -> GenConfig:
-    return GenConfig(args.max_new_tokens, temperature, args.top_p, args.seed)
-
-
 def bench_config(args) -> BenchConfig:
     """--limit as given; unset: 10 prompts, or all that --per-category selects (it already says
     how many; a silent cap of 10 would drop whole categories)."""
@@ -67,16 +63,12 @@ def bench_decoder(args, safe: list, method: str, loaded: tuple, gen: GenConfig,
     method = method.removesuffix(COMPILED)
     alone = f"; rows alone: {len(safe)} kernels" if safe else ""
     if method == "ar":
-        plain = Compiled(target, slots=slots) if fast else target
-        if fast:
-            plain.warm_up()
+        plain = Compiled(target, slots=slots).warm_up() if fast else target
         return (lambda ids: generate_ar(plain, ids, gen, tokenizer.stop_ids)), 0.0, "plain" + alone
     mc = method_of(args, method, compile=fast)
     proposer, info = build_proposer(mc, path, target, tokenizer,
                                     target.config.max_positions + room(mc) + 1)
-    verifier = Compiled(target, (proposer.max_nodes,), slots) if fast else target
-    if fast:
-        verifier.warm_up()
+    verifier = Compiled(target, (proposer.max_nodes,), slots).warm_up() if fast else target
     return (lambda ids: generate_spec(verifier, proposer, ids, gen, tokenizer.stop_ids),
             info["draft_memory_mb"], describe(mc, info) + alone)
 
@@ -86,7 +78,7 @@ def bench_decoder(args, safe: list, method: str, loaded: tuple, gen: GenConfig,
 def run(args) -> dict:
     path, target, tokenizer = load_target(target_config(args))
     prompt_ids = tokenizer.raw_ids(args.prompt) if args.raw else tokenizer.chat_prompt(args.prompt)
-    gen = gen_of(args, args.temperature[0])
+    gen = GenConfig(args.max_new_tokens, args.temperature[0], args.top_p, args.seed)
     marks = sys.stdout.isatty() if args.show_drafts is None else args.show_drafts
     stream = None if args.json else Streamer(tokenizer, marks)
     # --compile: a short run first compiles, so that the printed tokens/s is the steady state
@@ -160,7 +152,7 @@ class Streamer:
         for t, drafted in zip(ids, from_draft):
             if t in self.tokenizer.stop_ids:
                 continue
-            text = self.decoder.decode(self.tokenizer.decode_bytes([t]))
+            text = self.decoder.decode(self.tokenizer.encoding.decode_bytes([t]))
             if drafted and self.mark and text:
                 text = f"\033[36m{text}\033[0m" if self.color else f"[{text}]"
             sys.stdout.write(text)
@@ -347,9 +339,6 @@ def check_flags(p, args) -> None:
 
 def check_together(p, args) -> None:
     """Flags that make no sense with or without --bench."""
-    if args.compile and "eagle3" in ((args.methods or "").split(",") + [args.method]):
-        p.error("--compile: eagle3's head reads three of the target's layers, which the "
-                "compiled step does not return yet; run eagle3 without --compile")
     if args.bench:
         alone = [f for f, v in (("--method", args.method), ("--prompt", args.prompt),
                                 ("--raw", args.raw or None),
@@ -441,7 +430,8 @@ def main(argv=None):
     try:
         if args.compile:
             check_compiler()                    # one line where torch cannot, before loading
-        check_heads(args.head, args.methods.split(",") if args.bench else [args.method])
+        check_heads(args.head, args.methods.split(",") if args.bench else [args.method],
+                    args.compile)
         if args.verify_curve:
             report = verify_curve(target_config(args))
         elif args.bench:

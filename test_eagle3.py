@@ -249,23 +249,26 @@ def test_the_command_line_runs_a_published_head_on_the_default_model(default_pat
     argv = ["--max-new-tokens", "24", "--json", "-", "--prompt", "Name three rivers."]
     for sampling in ([], ["--temperature", "0.8", "--seed", "3"]):
         texts = {}
-        for method, more in (("ar", []), ("eagle3", ["--head", str(tmp_path / "h"),
-                                                     "--tree-size", "4"])):
+        for method, more in (("ar", []), *((m, ["--head", str(tmp_path / "h"), "--tree-size",
+                                                "4"]) for m in ("eagle3", "eagle2"))):
             spec.main(["--method", method, *more, *argv, *sampling])
             texts[method] = json.loads(capsys.readouterr().out)["token_ids"]
-        assert texts["eagle3"] == texts["ar"], sampling
+        assert texts["eagle3"] == texts["eagle2"] == texts["ar"], sampling
 
 
-def test_the_command_line_names_what_is_wrong_with_a_head(capsys):
-    """A head of another kind given to eagle3, a missing folder, eagle3 with no head and with
-    --compile: one `error:` line each, exit 2, before the target loads."""
+def test_the_command_line_names_what_is_wrong_with_a_head(capsys, tmp_path):
+    """A head of another kind given to eagle3, a missing folder, eagle3 with no head, and an
+    EAGLE-3 head with --compile (eagle3's or eagle2's): one `error:` line each, exit 2, before
+    the target loads."""
     import spec
     from default_model import WEIGHTS
+    h = str(write_head(tmp_path / "h"))
     cases = ((["--head", f"{WEIGHTS}/smollm2-135m-eagle"], "holds eagle heads, which only eagle, "
               "eagle2, eagle2+ngram draft with"),
              (["--head", "/nonexistent"], "/nonexistent: no such folder"),
              ([], "no EAGLE-3 head is shipped yet; give one with --head DIR"),
-             (["--compile"], "--compile: eagle3's head reads three of the target's layers"))
+             (["--compile", "--head", h], "--compile: an EAGLE-3 head reads three of the target"),
+             (["--compile", "--head", h, "--method", "eagle2"], "--compile: an EAGLE-3 head"))
     for flags, want in cases:
         with pytest.raises(SystemExit) as e:
             spec.main(["--method", "eagle3", *flags])
@@ -315,6 +318,11 @@ def test_an_eagle3_head_trains_on_taps_and_decodes_exactly(tmp_path):
     assert outs[0].token_ids == outs[1].token_ids == generate_ar(target, prompt,
                                                                  GenConfig(20)).token_ids
     assert outs[0].accepted == outs[1].accepted and sum(outs[0].accepted) > 0
+    from methods import build_head, method_config
+    for method in ("eagle", "eagle2"):       # EAGLE's static tree and EAGLE-2's take it too
+        mc = method_config(method, tree_size=5, heads=(str(tmp_path / "h"),))
+        out = generate_spec(target, build_head(mc, target, 256)[0], prompt, GenConfig(20))
+        assert out.token_ids == outs[0].token_ids and sum(out.accepted) > 0, method
 
 
 def test_our_export_loads_strictly_in_specforge_and_drafts_the_same(specforge, no_dynamo,

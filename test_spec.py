@@ -207,10 +207,10 @@ def test_head_folders_go_to_the_methods_of_their_kind(capsys):
     from methods import head_folder
     from spec import main
     eagle, medusa = f"{WEIGHTS}/smollm2-135m-eagle", f"{WEIGHTS}/smollm2-135m-medusa"
-    assert head_folder([medusa, eagle], "eagle") == eagle
-    assert head_folder([medusa, eagle], "medusa") == medusa
-    assert head_folder([eagle], "medusa") == medusa            # not given: the shipped one
-    with pytest.raises(ValueError, match="all hold eagle heads"):
+    assert head_folder([medusa, eagle], "eagle") == (eagle, "eagle")
+    assert head_folder([medusa, eagle], "medusa") == (medusa, "medusa")
+    assert head_folder([eagle], "medusa") == (medusa, "medusa")   # not given: the shipped one
+    with pytest.raises(ValueError, match="all hold heads for eagle"):
         head_folder([eagle, eagle], "eagle")
     with pytest.raises(SystemExit) as e:
         main(["--method", "medusa", "--head", eagle, "--max-new-tokens", "2"])
