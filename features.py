@@ -154,10 +154,6 @@ def extract_features(target: Llama, tokenizer, rows: list, out: str, batch: int,
     bar.close()
 
 
-def shard_names(folder: str) -> list:
-    return sorted(f for f in os.listdir(folder) if f.startswith("shard_") and f.endswith(".safetensors"))
-
-
 # ---------------------------------------------------------------- training data from the shards
 
 @dataclass
@@ -168,7 +164,8 @@ class Seq:
 
 
 def load_features(folder: str) -> list:
-    names = shard_names(folder) if os.path.isdir(folder) else []
+    names = sorted(f for f in os.listdir(folder) if f.startswith("shard_")
+                   and f.endswith(".safetensors")) if os.path.isdir(folder) else []
     if not names:
         raise ValueError(f"{folder}: no feature shards; run with --stage features first")
     seqs = []

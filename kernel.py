@@ -425,7 +425,7 @@ class Compiled(nn.Module):
         return [w for w in (NARROWEST << i for i in range(32)) if w <= cache_width(self.slots)]
 
     @torch.inference_mode()
-    def warm_up(self) -> None:
+    def warm_up(self) -> "Compiled":
         """Compile now every graph (size, width, gathering or not) its caches can need, so that
         no step of a run stops to compile (minutes each the first time, seconds from torch's
         on-disk cache). A step of one token never gathers."""
@@ -436,6 +436,7 @@ class Compiled(nn.Module):
                 positions = torch.arange(width - size, width, device=device)   # fills the width
                 self.run(torch.zeros(size, dtype=torch.long, device=device), positions,
                          torch.ones(size, size, dtype=torch.bool).tril(), cache, gather)
+        return self
 
     def new_cache(self, batch: int = 1, slots: int | None = None) -> "KVCache":
         # every cache as wide: a graph's input strides (and so the graph) depend on it too
@@ -470,10 +471,6 @@ class Compiled(nn.Module):
                           torch.tensor(start, device=device), tree.to(device), gather)
 
 
-class CompileError(ValueError):
-    """torch cannot compile here; the message says why and that eager decoding works."""
-
-
 def check_compiler() -> None:
     """Compile a one-line function, so that a machine that cannot (no C++ compiler, no backend
     for the device) is told in one line before a model is loaded; never inductor's traceback."""
@@ -481,7 +478,7 @@ def check_compiler() -> None:
         torch.compile(lambda x: x * 2 + 1, fullgraph=True)(torch.ones(8))
     except Exception as e:                      # inductor raises many kinds; all mean the same
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise CompileError(f"--compile: torch cannot compile on this machine ({reason}); "
+        raise ValueError(f"--compile: torch cannot compile on this machine ({reason}); "
                            f"run without --compile: eager decoding works") from None
 
 

@@ -347,7 +347,7 @@ class MedusaProposer:
 
     def propose(self, root: int, gen, generator) -> tuple:
         st = self.static
-        logits = self.head.logits(self.feature, self.proj)                  # (M, R)
+        logits = self.proj(self.head(self.feature))                  # (M, R)
         top = logits.topk(int(st.ranks.max()) + 1).indices.cpu()            # (M, ranks)
         tokens = self.vocab_ids[top[(st.depths - 1).clamp(min=0), st.ranks]]
         tokens[0] = root

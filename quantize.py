@@ -58,13 +58,6 @@ class Int8Linear(RowCalls):
         q = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
         return cls(q, scales.to(linear.weight.dtype), linear.bias)
 
-    @classmethod
-    def skeleton(cls, linear: nn.Linear) -> "Int8Linear":
-        """Empty buffers of linear's shape, for a kept form to be loaded into."""
-        O, I = linear.weight.shape
-        return cls(torch.empty(O, I, dtype=torch.int8),
-                   torch.empty(O, dtype=linear.weight.dtype), linear.bias)
-
     def sizes(self) -> tuple:
         return self.q.shape[1], self.q.shape[0], self.scales.dtype
 
@@ -109,13 +102,6 @@ class Int4Linear(RowCalls):
         zeros = m + 8 * d
         scales_zeros = torch.stack([d, zeros], -1).transpose(0, 1).contiguous()
         return cls(packed, scales_zeros.to(linear.weight.dtype), linear.bias, group)
-
-    @classmethod
-    def skeleton(cls, linear: nn.Linear, group: int = GROUP) -> "Int4Linear":
-        """Empty buffers of linear's shape, for a kept form to be loaded into."""
-        O, I = linear.weight.shape
-        return cls(torch.empty(O, I // 2, dtype=torch.uint8),
-                   torch.empty(I // group, O, 2, dtype=linear.weight.dtype), linear.bias, group)
 
     def sizes(self) -> tuple:
         return self.packed.shape[1] * 2, self.packed.shape[0], self.scales_zeros.dtype
@@ -171,7 +157,7 @@ def convert(linear: nn.Linear, form: str, name: str, rows: bool = True) -> nn.Mo
         raise QuantizeError(f"--weights int4: layer {name} has {w.shape[1]} inputs, not a "
                             f"multiple of the group size {GROUP}: use --weights float or int8")
     kind = Int4Linear if form == "int4" else Int8Linear
-    return kind.skeleton(linear) if w.is_meta else kind.of(linear)    # meta: a kept form's
+    return kind.of(linear)         # on meta weights: the shapes a kept form is loaded into
 
 
 def quantize(module: nn.Module, form: str, head_form: str | None = None,

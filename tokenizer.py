@@ -81,11 +81,8 @@ class Tokenizer:
         # Bytes with no token of their own were given placeholder ranks: drop them, as HF does.
         return [i for i in ids if i < self.vocab_size]
 
-    def decode_bytes(self, ids) -> bytes:
-        return self.encoding.decode_bytes(ids)
-
     def decode(self, ids) -> str:
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+        return self.encoding.decode_bytes(ids).decode("utf-8", errors="replace")
 
     def special(self, name: str) -> int:
         return self.encoding.encode_single_token(name)
@@ -132,11 +129,8 @@ class Tokenizer:
 def build(ranks: dict, specials: dict, pattern: str, name: str) -> tuple:
     """Give bytes with no token placeholder ranks (tiktoken panics on them) and build."""
     vocab_size = max(list(ranks.values()) + list(specials.values())) + 1
-    extra = vocab_size
-    for b in range(256):
-        if bytes([b]) not in ranks:
-            ranks[bytes([b])] = extra
-            extra += 1
+    missing = [bytes([b]) for b in range(256) if bytes([b]) not in ranks]
+    ranks |= {b: vocab_size + i for i, b in enumerate(missing)}
     enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
     digest = hashlib.sha256(b"".join(k + v.to_bytes(4, "little")
                                      for k, v in sorted(ranks.items()))).hexdigest()

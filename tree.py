@@ -39,10 +39,8 @@ def chain(root: int, tokens) -> Tree:
     """The tree of a chain draft: root -> tokens[0] -> tokens[1] -> ..."""
     tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
     n = tokens.shape[0]
-    all_tokens = torch.cat([torch.tensor([root], device=tokens.device), tokens])
-    parents = torch.arange(-1, n, device=tokens.device)
-    depths = torch.arange(0, n + 1, device=tokens.device)
-    return Tree(all_tokens, parents, depths, torch.zeros(n + 1, device=tokens.device))
+    return Tree(torch.cat([torch.tensor([root]), tokens]), torch.arange(-1, n),
+                torch.arange(0, n + 1), torch.zeros(n + 1))
 
 
 def ancestor_mask(parents: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
@@ -89,10 +87,7 @@ class StaticTree:
 
 def static_tree(paths: list) -> StaticTree:
     """Build a static tree from a path list; missing prefixes of a path are added."""
-    nodes = {()}
-    for p in paths:
-        for i in range(1, len(p) + 1):
-            nodes.add(tuple(p[:i]))
+    nodes = {()} | {tuple(p[:i]) for p in paths for i in range(1, len(p) + 1)}
     order = sorted(nodes, key=lambda p: (len(p), p))   # parents before children
     index = {p: i for i, p in enumerate(order)}
     parents = torch.tensor([index[p[:-1]] if p else -1 for p in order])
