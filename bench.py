@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from checkpoint import write_whole
-from decode import PHASES, GenConfig, Result
+from decode import PHASES, GenConfig, Result, acceptance_by_position
 from costs import forward_costs
 from default_model import WEIGHTS
 from export import export_draft
@@ -122,9 +122,7 @@ def summarize(records: list, methods: list, extra_mb: dict, target_mb: float,
     for m in methods:
         new, fwd, sec = totals([r for r in records if r.method == m])
         steps = [a for r in records if r.method == m for a in r.accepted]
-        # the positions some step drafted (transformers' decoders say only what they accepted)
-        depth = max((d for r in records if r.method == m for d in r.depths),
-                    default=max(steps, default=0))
+        depths = [d for r in records if r.method == m for d in r.depths]
         # tokens/s = tau / (s per forward), so speedup = tau x base_ms / ms: what a method's
         # forward costs (drafting included) sets the tau it needs for a given speedup
         ms = 1000 * sec / max(fwd, 1)
@@ -140,8 +138,8 @@ def summarize(records: list, methods: list, extra_mb: dict, target_mb: float,
             if steps else None,
             "tau_for_2x": 2 * ms / base_ms,
             "memory_mb": extra_mb.get(m, 0.0), "memory_pct": 100 * extra_mb.get(m, 0.0) / target_mb,
-            "acceptance_by_position": [sum(a > i for a in steps) / max(len(steps), 1)
-                                       for i in range(depth)],
+            "acceptance_by_position": acceptance_by_position(Result(accepted=steps,
+                                                                    depths=depths)),
             # compiled: against compiled plain decoding, whose rounding it shares
             "identical": identical(records, methods[0] + COMPILED * m.endswith(COMPILED), m)}
     for c in sorted({r.category for r in records}):

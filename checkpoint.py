@@ -290,11 +290,6 @@ def read_head_config(folder: str) -> HeadConfig:
         if config.pop("own_projection", False):
             raise LoadError(f"{folder}/config.json: Medusa heads with projections of their "
                             "own are not supported; train heads that share the target's")
-        # older versions wrote "taps": [] into every head; a non-empty one needs the fused
-        # features of --taps, deleted (measured, did not pay: docs/TRAINING.md)
-        if config.get("taps") and config["kind"] != "eagle3":
-            raise LoadError(f"{folder}/config.json: a {config['kind']} head that reads target "
-                            f"layers {config['taps']}; this version reads none")
         return HeadConfig(**config)
     except (TypeError, KeyError) as e:
         raise LoadError(f"{folder}/config.json: not a head config ({e})") from None

@@ -137,8 +137,7 @@ class Sizer:
         self.size = size
 
 
-def draft_costs(method: str, accuracy: list, measured_ms: float, measured_size: int,
-                sizes) -> dict:
+def draft_costs(method: str, accuracy: list, measured_ms: float, measured_size: int, sizes) -> dict:
     """{n: ms of drafting a tree of n nodes}, from the time measured at one size. EAGLE's
     static tree feeds the head once per depth level, so its drafting grows with the depth of
     the tree chosen for n; Medusa drafts every depth in one pass and EAGLE-2 runs its rounds

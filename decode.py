@@ -191,5 +191,5 @@ def acceptance_by_position(result: Result) -> list:
     """Fraction of steps in which draft position i (0-based along the path) was accepted, for
     every position some step drafted."""
     steps = max(len(result.accepted), 1)
-    deepest = max(result.depths, default=0)
+    deepest = max(result.depths, default=max(result.accepted, default=0))  # peers': no depths
     return [sum(a > i for a in result.accepted) / steps for i in range(deepest)]

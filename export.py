@@ -71,8 +71,7 @@ def eagle3_folder(head: Eagle3Head, target_layers: int) -> tuple:
     engine uses the target's), d2t (target id = draft id + d2t) and t2d (its inverse, a mask).
     Taps other than the default are written in both conventions (docs/ENGINES.md)."""
     c, R, V = head.layer_config, head.vocab_ids.shape[0], head.layer_config.vocab_size
-    config = eagle_config(c) | {"architectures": ["LlamaForCausalLMEagle3"],
-                                "draft_vocab_size": R}
+    config = eagle_config(c) | {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": R}
     config.pop("bias")
     if list(head.taps) != eagle3_taps(target_layers):
         config |= {"eagle_aux_hidden_state_layer_ids": list(head.taps),

@@ -10,13 +10,13 @@
 --small runs the same checks on the CPU with small shapes and few tokens (the suite runs it).
 """
 import argparse
-import json
 import sys
 import time
 
 import torch
 
 from bench import machine_name
+from checkpoint import write_json
 from kernel import Compiled
 from costs import forward_costs
 from decode import GenConfig, generate_ar, generate_spec
@@ -101,8 +101,7 @@ def main(argv=None):
     if device == "cuda" and not torch.cuda.is_available():
         p.error("no CUDA device here; --small runs the checks on the CPU")
     report = run(device, args.small)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(args.out, report)
     print(f"wrote {args.out}", file=sys.stderr)
 
 

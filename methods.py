@@ -253,8 +253,7 @@ def check_draft_folder(folder: str) -> None:
 def build_lookup_eagle(mc: MethodConfig, target, slots: int) -> tuple:
     """EAGLE-2's tree plus the prompt-lookup chain as one more branch; the chain rides along in
     every verify pass, so --tree-size auto prices it in."""
-    eagle, sizer, info = build_head(replace(mc, method="eagle2"), target, slots,
-                                    extra=LOOKUP_DEPTH)
+    eagle, sizer, info = build_head(replace(mc, method="eagle2"), target, slots, extra=LOOKUP_DEPTH)
     proposer = LookupEagleProposer(eagle, PromptLookupProposer(LOOKUP_DEPTH, mc.ngram_max))
     return (Priced(proposer, sizer) if sizer else proposer), info
 
@@ -280,8 +279,8 @@ def build_head(mc: MethodConfig, target, slots: int, extra: int = 0) -> tuple:
     if auto and not accuracy:
         raise ValueError(f"{folder} records no measured accuracy, which --tree-size auto prices "
                          f"trees with; give --tree-size N")
+    rule = SizeRule(most, accuracy) if auto and mc.method in GROWN else None
     if mc.method in GROWN:
-        rule = SizeRule(most, accuracy) if auto else None
         size = most if auto else min(fixed or mc.depth * mc.top_k, most)  # 0: as --help says
         proposer = EagleProposer(target, head, DraftConfig(mc.depth, mc.top_k, size, rule), slots,
                                  proj=proj)
@@ -292,7 +291,6 @@ def build_head(mc: MethodConfig, target, slots: int, extra: int = 0) -> tuple:
         tree = static_tree(best_paths(accuracy, size))
         proposer = (MedusaProposer(target, head, tree, proj) if kind == "medusa" else
                     EagleProposer(target, head, DraftConfig(mc.depth), slots, tree, proj=proj))
-        rule = None
     sizer = Sizer(mc.method, accuracy, mc.depth, extra, rule, mc.verbose) if auto else None
     memory = module_bytes(head) + module_bytes(proposer.proj) * (kind != "eagle3")
     return proposer, sizer, {"draft": folder, "draft_params": params,
@@ -378,8 +376,8 @@ def describe(mc: MethodConfig, info: dict) -> str:
     shape = f"{mc.depth} x top-{mc.top_k}"
     return {"eagle2+ngram": f"{shape}, {nodes} + lookup <= {LOOKUP_DEPTH} (1 round after a "
                             "full match)",
-            "ngram": f"chain of <= {mc.depth}, by match", "eagle2": f"{shape}, {nodes}",
-            "eagle3": f"{shape}, {nodes}",
+            "ngram": f"chain of <= {mc.depth}, by match",
+            "eagle2": f"{shape}, {nodes}", "eagle3": f"{shape}, {nodes}",
             "medusa": f"{size}-node tree", "eagle": f"{size}-node tree"}.get(
         mc.method, f"chain of {mc.depth}")
 

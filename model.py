@@ -6,8 +6,8 @@ D head dim, V vocab, F intermediate (MLP) size.
 The KV cache is written by absolute slot. A forward pass appends T tokens that see the whole cached
 prefix plus an arbitrary boolean mask among themselves (one (T, prefix + T) mask says which slots
 each sees); plain decoding is causal, tree verification passes the tree's ancestor mask after
-the prefix. Afterwards `KVCache.keep` keeps a chosen
-subset of the new slots (the accepted path) and moves the length: that is the whole rollback.
+the prefix. Afterwards `KVCache.keep` keeps a chosen subset of the new slots (the accepted
+path) and moves the length: that is the whole rollback.
 Attention itself, exact whatever shares a call, is in kernel.py.
 """
 import math

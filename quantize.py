@@ -41,9 +41,8 @@ class QuantizeError(ValueError):
 
 
 class Int8Linear(RowCalls):
-    """y = x W^T + b with W held as int8 rows and one scale per row. All rows in one call: torch's
-    kernel computes tiles of 4 rows, each row's sums with the same instructions in the same
-    order whatever its tile holds (checked at start: kernel.check_rows)."""
+    """y = x W^T + b with W held as int8 rows and one scale per row; all rows in one call (why:
+    kernel.py's docstring, checked at start: kernel.check_rows)."""
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias=None):
         super().__init__()
@@ -82,9 +81,7 @@ def int4_blocks(w: torch.Tensor, group: int = GROUP) -> tuple:
 
 class Int4Linear(RowCalls):
     """y = x W^T + b with W held as 4-bit groups: torch's CPU kernel, fast with bfloat16
-    activations (float16 and float32 take its scalar path). All rows in one call: the kernel
-    computes tiles of 4 rows by 64 outputs, each row's sums group by group with the same
-    instructions in the same order whatever its tile holds (checked at start)."""
+    activations (float16 and float32 take its scalar path); all rows in one call, as Int8Linear."""
 
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias=None,
                  group: int = GROUP):
@@ -112,10 +109,8 @@ class Int4Linear(RowCalls):
         return y if self.bias is None else y + self.bias
 
 
-# Rows a library call of float weights takes on CPU (kernel.in_calls): float32 one row a call
-# (MKL picks its kernel, and its order of summation, by the row count and the CPU; a row alone
-# is the very call plain decoding makes, and MKL's fastest for one row); 16-bit floats blocks of
-# 16 (oneDNN: a block of 16 costs what one row costs; its AMX kernels take larger calls).
+# Rows a library call of float weights takes on CPU (kernel.in_calls; why: kernel.py's
+# docstring): float32 one row a call, 16-bit floats blocks of 16 (oneDNN: 16 cost what 1 costs).
 FLOAT_ROWS = {torch.float32: 1, torch.bfloat16: 16, torch.float16: 16}
 
 

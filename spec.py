@@ -195,16 +195,14 @@ def decoding_flags(p) -> None:
                    help=f"seed of the sampler (default: {GenConfig.seed}): the same seed writes "
                         "the same text, so change it for another sample")
     p.add_argument("--json", nargs="?", const="-", metavar="FILE",
-                   help="print one JSON object instead of text (with --bench: write the full "
-                        "report, per prompt too, to FILE)")
+                   help="one JSON object instead of text (with --bench: the full report to FILE)")
     p.add_argument("--show-tree", action="store_true",
                    help="after each step, draw the draft tree (tokens, cumulative probability, "
                         "* on the accepted path, -> the target's own next token) on stderr")
     p.add_argument("--verbose", action="store_true",
-                   help="also print the internal choices on stderr: what the check at start "
-                        "found (a kernel whose rows depend on the call is computed row by row, "
-                        "and why); with --tree-size auto, each change of the prices it sizes "
-                        "trees by")
+                   help="also print on stderr what the check at start found (a kernel whose "
+                        "rows depend on the call is computed row by row, and why) and, with "
+                        "--tree-size auto, each change of the prices it sizes trees by")
     p.add_argument("--show-drafts", action=argparse.BooleanOptionalAction,
                    help="mark the streamed tokens that came from accepted drafts (in color, "
                         "or [brackets] where stdout is not a terminal; default: on at a "
@@ -225,39 +223,33 @@ def model_flags(p) -> None:
                    "float (bfloat16: fast on CPU, and the one dtype torch's int4/int8 CPU "
                    "kernels are fast in)")
     p.add_argument("--weights", choices=["auto", "float", "int8", "int4"], default="auto",
-                   help="form of the target's matrices: float (the checkpoint's own, in --dtype), "
-                        "int8 (per row), int4 (groups of 32, llama.cpp's Q4_1 blocks), through "
-                        "torch's weight-only CPU kernels; a quantized model's lm_head is int8. "
-                        "auto: int4 for the default model (its file holds Q4_1 blocks, so they "
-                        "come back exactly) in bfloat16 on CPU, float otherwise (in float16 and "
-                        "float32 those kernels take a slow scalar path)")
+                   help="the target's matrices: float (the checkpoint's, in --dtype), int8 (per "
+                        "row) or int4 (groups of 32) in torch's weight-only CPU kernels, lm_head "
+                        "then int8. auto: int4 for the default model (its Q4_1 blocks come back "
+                        "exactly) in bfloat16 on CPU, else float (the kernels are slow in float16 "
+                        "and float32)")
     p.add_argument("--device", help="cpu, cuda, mps (default: the best available)")
     p.add_argument("--draft-int8", action=argparse.BooleanOptionalAction, default=True,
-                   help="drafts (EAGLE and Medusa heads, the draft model, their projections onto "
-                        "the draft vocabulary) run int8 weights (torch's weight-only int8 "
-                        "kernel, on CPU in bfloat16 only: in float16 and float32 it is slow, so "
-                        "drafts stay float). A draft only decides what is proposed, so "
-                        "decoding stays lossless")
+                   help="drafts (heads, the draft model, their draft-vocabulary projections) "
+                        "run torch's int8 weight-only kernel, in bfloat16 on CPU only (slow in "
+                        "float16 and float32). A draft only proposes: decoding stays lossless")
     p.add_argument("--compile", action="store_true",
-                   help="the target's decode step as one torch.compile graph per size (1 "
-                        "token, and the method's tree, padded to one size; --tree-size auto "
-                        "becomes a fixed size); drafting stays eager. Exact among compiled "
-                        "methods (each writes compiled ar's text); the text may differ from "
-                        "eager decoding's. The first start compiles for minutes. With --bench, "
-                        "every method also runs compiled (METHOD+compile rows)")
+                   help="the target's decode step as one torch.compile graph per size (1 token, "
+                        "the method's tree padded to one size; auto becomes a fixed size); "
+                        "drafting stays eager. Every compiled method writes compiled ar's text "
+                        "(which may differ from eager's). The first start compiles for minutes; "
+                        "with --bench every method also runs compiled (METHOD+compile rows)")
 
 
 def draft_flags(p) -> None:
     """What drafts and how much: draft model, heads, tree shapes."""
     p.add_argument("--draft", help="draft model: a HF Llama folder with the target's tokenizer "
-                                   "(default: the distilled draft shipped in weights/ for the "
-                                   "default model)")
+                                   "(default: the distilled draft in weights/)")
     p.add_argument("--head", action="append", default=[], metavar="DIR",
-                   help="head folder (train_heads.py's --out), used by the methods of the "
-                        "kind it holds: EAGLE for eagle, eagle2 and eagle2+ngram, Medusa for "
-                        "medusa, EAGLE-3 (a published head: SpecForge's format) for eagle3; "
-                        "once per kind (default: the weights shipped in weights/ for the "
-                        "default model)")
+                   help="head folder (train_heads.py's --out, or a published EAGLE-3 head in "
+                        "SpecForge's format): Medusa's for medusa, EAGLE's or EAGLE-3's for "
+                        "eagle, eagle2 and eagle2+ngram, EAGLE-3's for eagle3; once per kind "
+                        "(default: the heads in weights/, for the default model)")
     p.add_argument("--num-speculative-tokens", type=int,
                    help="draft depth: tokens proposed along each path per step (default per "
                         "method: " + ", ".join(f"{m} {d[0]}" for m, d in TREE_DEFAULTS.items()) + ")")
@@ -265,13 +257,11 @@ def draft_flags(p) -> None:
                    help="eagle2, eagle2+ngram, eagle3: children per expanded draft node (default " +
                         str(TREE_DEFAULTS["eagle2"][1]) + ")")
     p.add_argument("--tree-size", type=tree_size,
-                   help="medusa, eagle, eagle2, eagle2+ngram, eagle3: draft nodes verified per step "
-                        "(0: depth x top-k; auto: the size with the most expected tokens/s on "
-                        "this machine, from the head's measured accuracy and the measured verify "
-                        "cost, eagle2+ngram's lookup chain priced into every verify; for eagle2 "
-                        "auto then chooses again at every step from the draft's own "
-                        "probabilities, and stops drafting rounds that cannot pay; default: "
-                        "auto)")
+                   help="medusa, eagle, eagle2, eagle2+ngram, eagle3: draft nodes verified per "
+                        "step (0: depth x top-k; auto, the default: the most expected tokens/s "
+                        "here, from the head's measured accuracy and verify costs measured at "
+                        "start; eagle2 re-chooses every step from the draft's probabilities and "
+                        "drafts only rounds that pay)")
     p.add_argument("--ngram-max", type=int,
                    help="prompt lookup: longest n-gram matched against the context (default: "
                         f"{MethodConfig.ngram_max})")
@@ -280,8 +270,8 @@ def draft_flags(p) -> None:
 def bench_flags(p) -> None:
     """--bench, --peers and --verify-curve."""
     p.add_argument("--limit", type=int,
-                   help="prompts used from --bench (0: all; default 10, except "
-                        "that --bench with --per-category takes every prompt it selects)")
+                   help="prompts used from --bench (0: all; default 10, or all that "
+                        "--per-category selects)")
     p.add_argument("--verify-curve", action="store_true",
                    help="print the cost of one target forward over k new tokens, k = 1..64, "
                         "relative to k = 1: where verifying a tree stops being free")
@@ -292,9 +282,8 @@ def bench_flags(p) -> None:
                                      "the baseline (default: " + BENCH_METHODS + ")")
     p.add_argument("--categories", help="comma-separated categories for --bench (default: all)")
     p.add_argument("--peers", action="store_true",
-                   help="--bench: also run transformers' generate on the same model, dtype and "
-                        "prompts: plain (hf), prompt lookup (hf-ngram) and assisted by the "
-                        "distilled draft (hf-assisted); needs transformers")
+                   help="--bench: also transformers' generate, same model, dtype and prompts: "
+                        "plain (hf), prompt lookup (hf-ngram), the distilled draft (hf-assisted)")
     p.add_argument("--per-category", type=int,
                    help="--bench: the first N prompts of each category (0: all)")
     p.add_argument("--plot", metavar="DIR",
@@ -343,7 +332,8 @@ def check_together(p, args) -> None:
         alone = [f for f, v in (("--method", args.method), ("--prompt", args.prompt),
                                 ("--raw", args.raw or None),
                                 ("--show-tree", args.show_tree or None),
-                                ("--show-drafts", args.show_drafts)) if v is not None]
+                                ("--show-drafts", args.show_drafts),
+                                ("--verify-curve", args.verify_curve or None)) if v is not None]
         if alone:
             p.error(f"{', '.join(alone)} with --bench: the bench decodes its prompt file "
                     "with every method of --methods, and prints tables")
@@ -364,7 +354,7 @@ def check_together(p, args) -> None:
     if need:
         p.error(f"{', '.join(need)} only with --bench")
     method = args.method or "ar"
-    if args.verify_curve and (args.bench or args.method):
+    if args.verify_curve and args.method:
         p.error("--verify-curve times the target alone: not with --bench or --method")
     if args.show_tree and method == "ar":
         p.error("--show-tree draws the draft trees of a speculative --method; ar has none")

@@ -73,6 +73,7 @@ SPEC_CASES = [
     (["--num-speculative-tokens", "3"], "--num-speculative-tokens does not apply to --method ar"),
     (["--show-tree"], "--show-tree draws the draft trees of a speculative --method"),
     (["--verify-curve", "--method", "eagle2"], "--verify-curve times the target alone"),
+    (["--verify-curve", "--bench", "{a file}"], "--verify-curve with --bench: the bench"),
     (["--device", "nosuchdevice"], "--device nosuchdevice is not available here"),
     (["--model", "random:smollm2-135m"], "--model random:SHAPE only with --verify-curve"),
     (["--model", "random:nosuch", "--verify-curve"], "unknown model shape 'nosuch'"),

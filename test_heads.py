@@ -324,25 +324,6 @@ def test_training_smoke_loss_falls_and_saved_head_decodes_the_same(tmp_path):
         assert out == expect == generate_ar(target, [5, 9, 3], GenConfig(20)).token_ids
 
 
-def test_a_head_config_asking_for_taps_is_refused(tmp_path):
-    """--taps (EAGLE-3's fused features) is deleted: a head that reads target layers beside the
-    final feature is refused in one line; the empty taps older versions wrote still load."""
-    target = tiny_model(6)
-    c = target.config
-    config = HeadConfig("eagle", c.hidden_size, c.vocab_size, c.vocab_size,
-                        layer=eagle_layer_config(c))
-    save_head(random_eagle(target, 7), config, str(tmp_path / "h"))
-    path = tmp_path / "h" / "config.json"
-    saved = json.loads(path.read_text())
-    path.write_text(json.dumps(saved | {"taps": []}))          # as every older head has it
-    load_head(str(tmp_path / "h"), target, "eagle")
-    path.write_text(json.dumps(saved | {"taps": [0, 1]}))
-    with pytest.raises(LoadError, match=r"h/config.json: a eagle head that reads target "
-                                        r"layers \[0, 1\]; this version reads none") as e:
-        load_head(str(tmp_path / "h"), target, "eagle")
-    assert "\n" not in str(e.value)
-
-
 # ---------------------------------------------------------------- the benchmark
 
 def test_bench_reads_both_formats_and_names_bad_lines(tmp_path):

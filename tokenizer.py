@@ -244,8 +244,7 @@ def load_tokenizer(folder: str) -> Tokenizer:
     tok = with_chat_format(enc, vocab_size, specials, strings.get("eos_token"), pattern, digest)
     template = chat_template(folder, config)
     if template:                   # the checkpoint's own; the hand-written formats a fallback
-        tok = replace(tok, chat_format="template", chat_template=template,
-                      template_tokens=strings)
+        tok = replace(tok, chat_format="template", chat_template=template, template_tokens=strings)
     return tok
 
 

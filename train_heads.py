@@ -95,15 +95,13 @@ def shape_flags(p) -> None:
                         "saved folder; spec.py rebuilds it from the target at first use. This "
                         "is how the shipped draft is stored")
     p.add_argument("--init", metavar="FOLDER",
-                   help="EAGLE, Medusa: start from the head in FOLDER (written by this script) "
-                        "instead of a fresh one, e.g. to train a shipped head on more data; its "
-                        "shape and draft vocabulary are kept (--draft-vocab and --heads then "
-                        "do not apply)")
+                   help="EAGLE, Medusa: start from the head in FOLDER (this script's), e.g. a "
+                        "shipped head, to train it on; its shape and draft vocabulary are kept "
+                        "(--draft-vocab and --heads then do not apply)")
     p.add_argument("--wise", type=float, default=1.0, metavar="ALPHA",
-                   help="EAGLE, Medusa with --init: keep ALPHA of the way from the --init head "
-                        "to the newly trained one, weight by weight (WiSE-FT; 1: the trained "
-                        "head as is). Applied after training, before the measurements; a rerun "
-                        "of a finished run applies it to the checkpoint's head")
+                   help="EAGLE, Medusa with --init: keep ALPHA of the way from the --init head to "
+                        "the trained one, weight by weight (WiSE-FT; 1: as trained), before the "
+                        "measurements; a rerun of a finished run applies it to its checkpoint")
 
 
 def optimizer_flags(p) -> None:

@@ -16,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from kernel import attention_mask, with_ones
+from kernel import with_ones
 from checkpoint import save_tensors
 from decode import GenConfig, generate_spec
 from features import Batch, batches, make_batch
@@ -143,15 +143,9 @@ def draft_hidden(draft, tokens) -> torch.Tensor:
     version of what earlier layers saved for backward, and autograd refuses that."""
     B, L = tokens.shape
     c = draft.config
-    pos = torch.arange(L, device=tokens.device)[None].expand(B, L)
-    cos, sin = draft.rope(pos, torch.float32)
-    mask = attention_mask(0, L, None, L, tokens.device)                        # (L, L) causal
-    x = draft.embed(tokens)                                                    # (B, L, C)
-    for layer in draft.layers:
-        k = x.new_zeros(B, c.num_kv_heads, L, c.head_dim)
-        v = with_ones(torch.zeros_like(k))                                    # as a cache holds
-        x = layer(x, cos, sin, k, v, 0, mask)
-    return draft.norm(x)
+    k = [draft.embed.weight.new_zeros(B, c.num_kv_heads, L, c.head_dim) for _ in draft.layers]
+    cache = KVCache(k, [with_ones(torch.zeros_like(x)) for x in k])        # (B, K, L, D) each
+    return draft(tokens, torch.arange(L, device=tokens.device)[None], cache, project=False)[1]
 
 
 def draft_loss(draft, seqs: list) -> tuple:

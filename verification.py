@@ -1,8 +1,7 @@
 """The verification rules, in plain torch: which drafted tokens the target keeps.
 
 Dimensions: N tree nodes, L leaves, M max depth + 1, J drafted chain tokens, V vocab; "..." is
-any number of leading batch dimensions (the statistical
-tests verify 1e5 independent drafts in one call).
+any number of leading batch dimensions (the statistical tests verify 1e5 drafts in one call).
 
 Names for probabilities, used everywhere in this project:
   p  the TARGET's distribution (after temperature and top-p), the one the output must follow;
