@@ -104,10 +104,11 @@ class Sizer:
     extra: int = 0           # tokens verified beside the tree every step (a lookup chain)
     rule: SizeRule | None = None   # EAGLE-2's per-step rule, which the prices are given to
     verbose: bool = False    # say each new choice on stderr
+    most: int = AUTO_MAX     # the largest size (compiled: the one the verifier is padded to)
     size: int = 0            # the size chosen last (0: none yet)
 
     def __post_init__(self):
-        self.expected = {n: expected_length(self.accuracy, n) for n in range(1, AUTO_MAX + 1)}
+        self.expected = {n: expected_length(self.accuracy, n) for n in range(1, self.most + 1)}
 
     def choose(self, prices: Prices) -> tuple:
         """-> (size, predicted tokens per ms). While one size has been timed, another is

@@ -40,7 +40,8 @@ GROWN = ("eagle2", "eagle3")             # EAGLE-2's dynamic tree (eagle3: an EA
 # eagle2+ngram's lookup branch, scaled by the match (2, 4 or 6 tokens after a match of 1, 2 or
 # 3): 6 measured best of 3, 6, 12 and 24 (docs/RESULTS.md)
 LOOKUP_DEPTH = 6
-# --compile --tree-size auto: the one tree size compiled (measured: docs/RESULTS.md)
+# --compile --tree-size auto: the largest tree, the size the verifier is padded to (measured:
+# docs/RESULTS.md); auto chooses among the smaller ones and the root alone from compiled prices
 COMPILED_NODES = 2
 RANDOM = "random:"                     # TargetConfig.model random:SHAPE: random weights (SHAPES)
 
@@ -271,27 +272,28 @@ def build_head(mc: MethodConfig, target, slots: int, extra: int = 0) -> tuple:
     # measured P(rank r right | path right) by depth; EAGLE-2 only ever drafts ranks < top_k
     accuracy = [row[:mc.top_k] if mc.method in GROWN else row for row in
                 config.accuracy[:mc.depth]]
-    # compiled, a tree is padded to one size: auto's prices would be flat, so a fixed size
-    auto = mc.tree_size == "auto" and not mc.compile
-    fixed = COMPILED_NODES if mc.compile and mc.tree_size == "auto" else mc.tree_size
-    # most nodes EAGLE-2 may verify a step: all it drafts (k root children, then k x k a round)
-    most = min(mc.top_k + (mc.depth - 1) * mc.top_k * mc.top_k, AUTO_MAX)
+    auto = mc.tree_size == "auto"
+    # most nodes a step may verify: all EAGLE-2 drafts (k root children, then k x k a round);
+    # compiled, the tree size the verifier is padded to (auto prices the sizes up to it)
+    cap = COMPILED_NODES if mc.compile and auto else AUTO_MAX
+    most = min(mc.top_k + (mc.depth - 1) * mc.top_k * mc.top_k, cap)
     if auto and not accuracy:
         raise ValueError(f"{folder} records no measured accuracy, which --tree-size auto prices "
                          f"trees with; give --tree-size N")
     rule = SizeRule(most, accuracy) if auto and mc.method in GROWN else None
-    if mc.method in GROWN:
-        size = most if auto else min(fixed or mc.depth * mc.top_k, most)  # 0: as --help says
-        proposer = EagleProposer(target, head, DraftConfig(mc.depth, mc.top_k, size, rule), slots,
-                                 proj=proj)
+    if mc.method in GROWN:                # no round deeper than the nodes kept (a subtree)
+        size = most if auto else min(mc.tree_size or mc.depth * mc.top_k, most)  # 0: as --help
+        proposer = EagleProposer(target, head, DraftConfig(min(mc.depth, size), mc.top_k, size,
+                                                           rule), slots, proj=proj)
     else:
         if not accuracy:
             raise ValueError(f"{folder}/config.json has no measured accuracy to build a tree from")
-        size = AUTO_MAX if auto else fixed or mc.depth * mc.top_k
+        size = cap if auto else mc.tree_size or mc.depth * mc.top_k
         tree = static_tree(best_paths(accuracy, size))
         proposer = (MedusaProposer(target, head, tree, proj) if kind == "medusa" else
                     EagleProposer(target, head, DraftConfig(mc.depth), slots, tree, proj=proj))
-    sizer = Sizer(mc.method, accuracy, mc.depth, extra, rule, mc.verbose) if auto else None
+    sizer = (Sizer(mc.method, accuracy, min(mc.depth, size), extra, rule, mc.verbose, cap)
+             if auto else None)              # depth: EAGLE-2's rounds, which it prices
     memory = module_bytes(head) + module_bytes(proposer.proj) * (kind != "eagle3")
     return proposer, sizer, {"draft": folder, "draft_params": params,
                              "draft_memory_mb": round(memory / 2**20, 1),

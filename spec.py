@@ -68,7 +68,7 @@ def bench_decoder(args, safe: list, method: str, loaded: tuple, gen: GenConfig,
     mc = method_of(args, method, compile=fast)
     proposer, info = build_proposer(mc, path, target, tokenizer,
                                     target.config.max_positions + room(mc) + 1)
-    verifier = Compiled(target, (proposer.max_nodes,), slots).warm_up() if fast else target
+    verifier = Compiled(target, (1, proposer.max_nodes), slots).warm_up() if fast else target
     return (lambda ids: generate_spec(verifier, proposer, ids, gen, tokenizer.stop_ids),
             info["draft_memory_mb"], describe(mc, info) + alone)
 
@@ -98,7 +98,7 @@ def run(args) -> dict:
         slots = check_room(target, prompt_ids, gen, room(mc))
         proposer, info = build_proposer(mc, path, target, tokenizer, slots)
         show = tree_printer(tokenizer) if args.show_tree else None
-        verifier = Compiled(target, (proposer.max_nodes,), slots) if args.compile else target
+        verifier = Compiled(target, (1, proposer.max_nodes), slots) if args.compile else target
         if args.compile:
             compiling(verifier)
             generate_spec(verifier, proposer, prompt_ids, warm, tokenizer.stop_ids)
@@ -235,7 +235,7 @@ def model_flags(p) -> None:
                         "float16 and float32). A draft only proposes: decoding stays lossless")
     p.add_argument("--compile", action="store_true",
                    help="the target's decode step as one torch.compile graph per size (1 token, "
-                        "the method's tree padded to one size; auto becomes a fixed size); "
+                        "the method's tree padded to one size, auto's largest); "
                         "drafting stays eager. Every compiled method writes compiled ar's text "
                         "(which may differ from eager's). The first start compiles for minutes; "
                         "with --bench every method also runs compiled (METHOD+compile rows)")

@@ -51,8 +51,9 @@ class KnownTrees:
 
 @pytest.fixture(scope="module")
 def target():
-    # the default configuration's kernels: int4 matrices, an int8 head, bfloat16 activations
-    model = tiny_model(6, intermediate_size=64).to(torch.bfloat16)
+    # the default configuration's kernels: int4 matrices, an int8 head, bfloat16 activations;
+    # tied, as the default model (a draft vocabulary's rows come from its embedding)
+    model = tiny_model(6, intermediate_size=64, tie_embeddings=True).to(torch.bfloat16)
     return quantize(model, "int4", "int8")
 
 
@@ -178,3 +179,28 @@ def test_the_gpu_check_runs_in_its_small_mode_on_the_cpu(tmp_path):
     plain = report["plain_smollm2-135m-thin"]
     assert plain["compiled_tokens_s"] > 0 and plain["limit_tokens_s"] > plain["eager_tokens_s"]
     assert sorted(report["curve_smollm2-135m-thin"]) == ["1", "2", "4"]     # (JSON keys)
+
+
+def test_auto_under_compile_prices_the_compiled_passes(target, tmp_path):
+    """--compile --tree-size auto: EAGLE-2's rule sizes each step from the compiled passes'
+    prices, up to the padded size (the root alone among them), drafting no round deeper than
+    that; the text stays compiled plain decoding's."""
+    from costs import Priced
+    from heads import HeadConfig, eagle_layer_config
+    from methods import COMPILED_NODES, build_head, method_config
+    from test_heads import random_eagle
+    from train_heads import save_head
+    c = target.config
+    save_head(random_eagle(target, 7).float(), HeadConfig(
+        "eagle", c.hidden_size, c.vocab_size, c.vocab_size, layer=eagle_layer_config(c),
+        accuracy=[[0.8, 0.1, 0.05, 0.05]] * 3), str(tmp_path / "h"))
+    mc = method_config("eagle2", heads=(str(tmp_path / "h"),), compile=True)
+    proposer, sizer, _ = build_head(mc, target, 512)
+    assert sizer.most == proposer.config.total == COMPILED_NODES and sizer.rule is not None
+    assert proposer.max_nodes == COMPILED_NODES + 1 and proposer.config.depth == COMPILED_NODES
+    # the graphs of the other tests (a tree padded to TREE: the same rows, fewer compiles)
+    fast, gen = Compiled(target, (1, TREE)), GenConfig(max_new_tokens=40)
+    for prompt in (SHORT, LONG):
+        spec = generate_spec(fast, Priced(proposer, sizer), prompt, gen)
+        assert spec.token_ids == generate_ar(fast, prompt, gen).token_ids
+        assert max(spec.drafted) <= COMPILED_NODES
