@@ -111,8 +111,7 @@ def verify(logits, tree, mask, pos, q, gen: GenConfig, generator) -> tuple:
     if q is not None:                       # a chain sampled from the draft's q
         p = target_probs(logits, gen.temperature, gen.top_p)              # (J + 1, V)
         n, bonus = accept_chain_sampled(tree.tokens[1:].to(p.device), p, q.to(p.device), generator)
-        n = int(n)
-        return torch.arange(n + 1), int(bonus)
+        return torch.arange(int(n) + 1), int(bonus)
     u = draws(gen, pos + 1)
     choice = next_tokens(logits, gen.temperature, gen.top_p, u).cpu()        # (N,)
     path, n, bonus = accept_tree(tree.tokens, retrieve_indices(mask, tree.depths), choice)

@@ -40,8 +40,7 @@ GROWN = ("eagle2", "eagle3")             # EAGLE-2's dynamic tree (eagle3: an EA
 # eagle2+ngram's lookup branch, scaled by the match (2, 4 or 6 tokens after a match of 1, 2 or
 # 3): 6 measured best of 3, 6, 12 and 24 (docs/RESULTS.md)
 LOOKUP_DEPTH = 6
-# --compile --tree-size auto: the largest tree, the size the verifier is padded to (measured:
-# docs/RESULTS.md); auto chooses among the smaller ones and the root alone from compiled prices
+# --compile --tree-size auto: the size trees are padded to, auto's largest (docs/RESULTS.md)
 COMPILED_NODES = 2
 RANDOM = "random:"                     # TargetConfig.model random:SHAPE: random weights (SHAPES)
 

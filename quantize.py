@@ -83,22 +83,21 @@ class Int4Linear(RowCalls):
     """y = x W^T + b with W held as 4-bit groups: torch's CPU kernel, fast with bfloat16
     activations (float16 and float32 take its scalar path); all rows in one call, as Int8Linear."""
 
-    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias=None,
-                 group: int = GROUP):
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias=None):
         super().__init__()
-        self.group = group
+        self.group = GROUP
         self.register_buffer("packed", packed)                  # (O, I/2) uint8, two q a byte
         self.register_buffer("scales_zeros", scales_zeros)      # (I/G, O, 2)
         self.bias = bias
 
     @classmethod
-    def of(cls, linear: nn.Linear, group: int = GROUP) -> "Int4Linear":
-        d, m, q = int4_blocks(linear.weight.detach(), group)
+    def of(cls, linear: nn.Linear) -> "Int4Linear":
+        d, m, q = int4_blocks(linear.weight.detach())
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         # the kernel's form: w = (q - 8) * scale + zero, as (I/G, O, 2)
         zeros = m + 8 * d
         scales_zeros = torch.stack([d, zeros], -1).transpose(0, 1).contiguous()
-        return cls(packed, scales_zeros.to(linear.weight.dtype), linear.bias, group)
+        return cls(packed, scales_zeros.to(linear.weight.dtype), linear.bias)
 
     def sizes(self) -> tuple:
         return self.packed.shape[1] * 2, self.packed.shape[0], self.scales_zeros.dtype
