@@ -275,7 +275,8 @@ def read_head_config(folder: str) -> HeadConfig:
     errors for a folder that is not one."""
     if not os.path.isfile(f"{folder}/config.json"):
         raise LoadError(f"{folder}: " + ("no config.json; is this a head folder (train_heads.py's, "
-                        "or a published EAGLE-3 head)?" if os.path.isdir(folder) else "no such folder"))
+                        "or a published EAGLE-3 head)?" if os.path.isdir(folder) else
+                        "a file, not a folder" if os.path.exists(folder) else "no such folder"))
     config = read_json(f"{folder}/config.json", "config.json")
     if set(config.get("architectures", [])) & set(EAGLE3_ARCHS):
         return eagle3_config(config, folder)

@@ -135,8 +135,7 @@ def compiling(fast: Compiled) -> None:
 def tree_printer(tokenizer):
     """--show-tree: draws each step's tree on stderr."""
     def show(tree, accepted, bonus):
-        text = render_tree(tree, lambda t: tokenizer.decode([t]), accepted, bonus)
-        print(f"\n{text}", file=sys.stderr)
+        print("\n" + render_tree(tree, lambda t: tokenizer.decode([t]), accepted, bonus), file=sys.stderr)
     return show
 
 

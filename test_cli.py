@@ -74,6 +74,7 @@ SPEC_CASES = [
     (["--show-tree"], "--show-tree draws the draft trees of a speculative --method"),
     (["--verify-curve", "--method", "eagle2"], "--verify-curve times the target alone"),
     (["--verify-curve", "--bench", "{a file}"], "--verify-curve with --bench: the bench"),
+    (["--method", "eagle2", "--head", "{a file}"], "config.json: a file, not a folder"),
     (["--device", "nosuchdevice"], "--device nosuchdevice is not available here"),
     (["--model", "random:smollm2-135m"], "--model random:SHAPE only with --verify-curve"),
     (["--model", "random:nosuch", "--verify-curve"], "unknown model shape 'nosuch'"),
