@@ -235,8 +235,7 @@ def write_json(path: str, obj, indent: int | None = 1) -> None:
 def save_tensors(tensors: dict, path: str, metadata: dict | None = None) -> None:
     """safetensors' save_file, whole or not at all, the file then readable by whom its folder
     is: save_file makes every file private (0600), which another user of a shared cache, or an
-    engine, cannot read. Only read bits are given (never write), and the owner's read and write
-    always."""
+    engine, cannot read. Only read bits are given, and the owner's read and write always."""
     folder = os.stat(os.path.dirname(os.path.abspath(path))).st_mode
 
     def write(tmp):

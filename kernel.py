@@ -375,11 +375,12 @@ def attend_fixed(q, keys, values, seen, win):
     return y.view(B, H, T, D).transpose(1, 2)                           # (B, T, H, D)
 
 
-def step(model: "Llama", tokens, positions, k, v, start, mask, gather: bool = True):
+def step(model: "Llama", tokens, positions, k, v, start, mask, gather: bool = True, taps=()):
     """One decode step of fixed shapes, the graph torch.compile sees: tokens, positions (1, T)
     long, k and v each layer's cache, (1, K, S, D) and (1, K, S, D + 1) (written in place at
     slots start..start + T - 1), start () long, mask (T, T) bool among the new tokens, gather
-    whether queries gather their window -> logits (1, T, V), final hidden (1, T, C)."""
+    whether queries gather their window -> logits (1, T, V), final hidden (1, T, C), or the
+    streams entering the layers `taps` names, as Llama.forward returns them (EAGLE-3)."""
     B, T = tokens.shape
     S = k[0].shape[2]
     at = start + torch.arange(T, device=tokens.device)                 # (T,) their slots
@@ -387,9 +388,10 @@ def step(model: "Llama", tokens, positions, k, v, start, mask, gather: bool = Tr
     new = mask[:, rel.clamp(0, T - 1)] & (rel >= 0) & (rel < T)         # (T, S) among the new
     seen = new | (rel < 0)                                              # and the whole prefix
     win = window(seen, start) if gather else None                       # once for all layers
-    x = model.embed(tokens)                                             # (B, T, C)
+    x, tapped = model.embed(tokens), []                                 # (B, T, C)
     cos, sin = model.rope(positions, x.dtype)
     for i, layer in enumerate(model.layers):
+        tapped += [x] if i in taps else []
         q, new_k, new_v = layer.attn.project(layer.attn_norm(x), cos, sin)
         k[i][:, :, at] = new_k.to(k[i].dtype)                            # (B, K, T, D)
         v[i][:, :, at] = with_ones(new_v.to(v[i].dtype))
@@ -397,7 +399,8 @@ def step(model: "Llama", tokens, positions, k, v, start, mask, gather: bool = Tr
         x = x + layer.attn.wo(y.to(x.dtype).reshape(B, T, -1))
         x = x + layer.mlp(layer.mlp_norm(x))
     hidden = model.norm(x)
-    return model.lm_head(hidden), hidden
+    tapped += [hidden] if len(model.layers) in taps else []
+    return model.lm_head(hidden), torch.cat(tapped, -1) if taps else hidden
 
 
 class Compiled(nn.Module):
@@ -406,9 +409,10 @@ class Compiled(nn.Module):
     width attended (`cache_width` of the slots in use); prefills run eager. Its caches are
     `slots` slots wide (a run's most), or wider where asked (a graph more per width then)."""
 
-    def __init__(self, model: "Llama", sizes=(1,), slots: int = NARROWEST):
-        super().__init__()
+    def __init__(self, model: "Llama", sizes=(1,), slots: int = NARROWEST, taps=()):
+        super().__init__()      # taps: what the steps return for an EAGLE-3 head (`step`)
         self.model, self.sizes, self.slots = model, sorted(set(sizes)), slots
+        self.taps = tuple(taps)
         self.config, self.embed = model.config, model.embed     # what decoding reads of a target
         cuda = model.embed.weight.device.type == "cuda"
         # a graph per (size, width, gather), and every method of a bench shares them
@@ -435,7 +439,8 @@ class Compiled(nn.Module):
                 cache.length = width - size
                 positions = torch.arange(width - size, width, device=device)   # fills the width
                 self.run(torch.zeros(size, dtype=torch.long, device=device), positions,
-                         torch.ones(size, size, dtype=torch.bool).tril(), cache, gather)
+                         torch.ones(size, size, dtype=torch.bool).tril(), cache, gather,
+                         self.taps)
         return self
 
     def new_cache(self, batch: int = 1, slots: int | None = None) -> "KVCache":
@@ -445,7 +450,7 @@ class Compiled(nn.Module):
     def forward(self, tokens, positions, cache, mask=None, last_only=False, taps=()):
         n, start = tokens.shape[1], cache.length
         size = next((s for s in self.sizes if s >= n), None)
-        if size is None or taps:          # a prefill; EAGLE-3's taps run eager (no --compile)
+        if size is None:                                              # a prefill
             return self.model(tokens, positions, cache, mask, last_only, taps=taps)
         tree = (torch.ones(n, n, dtype=torch.bool).tril() if mask is None
                 else mask[:, start:].cpu())                         # (n, n) among new tokens
@@ -453,12 +458,12 @@ class Compiled(nn.Module):
         # a tree inside one block of slots needs no gather where the check at start found so
         gather = not chain and (self.model.gather or start % SLOT_BLOCK + n > SLOT_BLOCK)
         tokens, positions, tree = pad_inputs(tokens[0], positions[0], tree, size)
-        logits, hidden = self.run(tokens, positions, tree, cache, gather)
+        logits, hidden = self.run(tokens, positions, tree, cache, gather, tuple(taps))
         cache.length = start + n
         logits = logits[:, n - 1:n] if last_only else logits[:, :n]
         return logits, hidden[:, :n]                 # the pads' slots go with the rejected
 
-    def run(self, tokens, positions, tree, cache, gather: bool) -> tuple:
+    def run(self, tokens, positions, tree, cache, gather: bool, taps=()) -> tuple:
         """The graph of tokens' size on tokens, positions (N,), tree (N, N) at the cache's end
         (its length unchanged) -> logits (1, N, V), hidden (1, N, C)."""
         start, size, device = cache.length, tokens.shape[0], tokens.device
@@ -468,7 +473,7 @@ class Compiled(nn.Module):
         keys = [k[:, :, :width] for k in cache.k.unbind(0)]              # (1, K, width, D)
         values = [v[:, :, :width] for v in cache.v.unbind(0)]            # (1, K, width, D + 1)
         return self.graph(self.model, tokens[None], positions[None], keys, values,
-                          torch.tensor(start, device=device), tree.to(device), gather)
+                          torch.tensor(start, device=device), tree.to(device), gather, taps)
 
 
 def check_compiler() -> None:

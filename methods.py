@@ -340,10 +340,9 @@ def head_folder(heads, kind: str) -> tuple:
     return chosen[0] if chosen else (os.path.join(WEIGHTS, f"smollm2-135m-{kind}"), kind)
 
 
-def check_heads(heads, methods: list, compile: bool = False) -> None:
+def check_heads(heads, methods: list) -> None:
     """Each head folder must be read by one of the methods: a head given for nothing is a
-    mistake (a typo in --methods, or the wrong folder), not something to ignore. An EAGLE-3
-    head reads three target layers, which the compiled step does not return yet."""
+    mistake (a typo in --methods, or the wrong folder), not something to ignore."""
     kinds = {HEAD_KIND[m] for m in methods if m in HEAD_KIND}
     for folder in heads:
         kind = read_head_config(folder).kind
@@ -352,10 +351,7 @@ def check_heads(heads, methods: list, compile: bool = False) -> None:
             raise ValueError(f"--head {folder} holds {kind} heads, which only {users} draft "
                              f"with, and no such method was chosen ({', '.join(methods)})")
     for kind in kinds:
-        if head_folder(heads, kind)[1] == "eagle3" and compile:     # one head a kind, too
-            raise ValueError("--compile: an EAGLE-3 head reads three of the target's layers, "
-                             "which the compiled step does not return yet; run it without "
-                             "--compile")
+        head_folder(heads, kind)                        # one head a kind, and one for eagle3
 
 
 def room(mc: MethodConfig) -> int:

@@ -174,9 +174,8 @@ def quantize(module: nn.Module, form: str, head_form: str | None = None,
 
 def load_quantized(folder: str, dtype, form: str, head_form: str, keep: str) -> Llama:
     """load_model(folder) on the CPU in `form` (lm_head in `head_form`), read from the file
-    `keep` (beside the folder's weights: a named artifact, deleted to pack again) where it holds
-    that form for this torch and instruction set; else quantized here and written there once,
-    whole or not at all (packing the blocks is most of a start)."""
+    `keep` (a named artifact beside the weights, deleted to pack again) where it holds that form
+    for this torch and instruction set; else packed here (most of a start) and written there."""
     stamp = kept_stamp(dtype, form, head_form)
     model = read_kept(folder, keep, stamp, form, head_form)
     if model is None:

@@ -56,8 +56,7 @@ def bench_decoder(args, safe: list, method: str, loaded: tuple, gen: GenConfig,
                   slots: int) -> tuple:
     """For bench.run_bench: (prompt_ids -> Result, MB the method adds to the target, its
     configuration in words). safe: the check's reroutes (one check for every method); slots:
-    the most a conversation needs (compiled: every graph it needs is compiled before the
-    timing starts)."""
+    the most a conversation needs (compiled: every graph is compiled before the timing)."""
     path, target, tokenizer = loaded
     fast = method.endswith(COMPILED)
     method = method.removesuffix(COMPILED)
@@ -68,7 +67,8 @@ def bench_decoder(args, safe: list, method: str, loaded: tuple, gen: GenConfig,
     mc = method_of(args, method, compile=fast)
     proposer, info = build_proposer(mc, path, target, tokenizer,
                                     target.config.max_positions + room(mc) + 1)
-    verifier = Compiled(target, (1, proposer.max_nodes), slots).warm_up() if fast else target
+    sizes, taps = (1, proposer.max_nodes), getattr(proposer, "taps", ())    # taps: EAGLE-3's
+    verifier = Compiled(target, sizes, slots, taps).warm_up() if fast else target
     return (lambda ids: generate_spec(verifier, proposer, ids, gen, tokenizer.stop_ids),
             info["draft_memory_mb"], describe(mc, info) + alone)
 
@@ -98,7 +98,8 @@ def run(args) -> dict:
         slots = check_room(target, prompt_ids, gen, room(mc))
         proposer, info = build_proposer(mc, path, target, tokenizer, slots)
         show = tree_printer(tokenizer) if args.show_tree else None
-        verifier = Compiled(target, (1, proposer.max_nodes), slots) if args.compile else target
+        verifier = (Compiled(target, (1, proposer.max_nodes), slots, getattr(proposer, "taps", ()))
+                    if args.compile else target)
         if args.compile:
             compiling(verifier)
             generate_spec(verifier, proposer, prompt_ids, warm, tokenizer.stop_ids)
@@ -135,7 +136,8 @@ def compiling(fast: Compiled) -> None:
 def tree_printer(tokenizer):
     """--show-tree: draws each step's tree on stderr."""
     def show(tree, accepted, bonus):
-        print("\n" + render_tree(tree, lambda t: tokenizer.decode([t]), accepted, bonus), file=sys.stderr)
+        drawn = render_tree(tree, lambda t: tokenizer.decode([t]), accepted, bonus)
+        print(f"\n{drawn}", file=sys.stderr)
     return show
 
 
@@ -419,8 +421,7 @@ def main(argv=None):
     try:
         if args.compile:
             check_compiler()                    # one line where torch cannot, before loading
-        check_heads(args.head, args.methods.split(",") if args.bench else [args.method],
-                    args.compile)
+        check_heads(args.head, args.methods.split(",") if args.bench else [args.method])
         if args.verify_curve:
             report = verify_curve(target_config(args))
         elif args.bench:
