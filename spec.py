@@ -187,7 +187,7 @@ def decoding_flags(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=GenConfig.max_new_tokens,
                    help=f"stop after this many new tokens (default: {GenConfig.max_new_tokens})")
     p.add_argument("--temperature", type=temperatures, default=[GenConfig.temperature],
-                   help="sampling temperature; 0 is greedy. With --bench a comma list "
+                   help="sampling temperature; 0, the default, is greedy. With --bench a list "
                         "(0,0.7,1.0) runs everything at each, to show how acceptance falls")
     p.add_argument("--top-p", type=float, default=GenConfig.top_p,
                    help=f"nucleus sampling mass (default: {GenConfig.top_p}, the whole "
@@ -196,7 +196,7 @@ def decoding_flags(p) -> None:
                    help=f"seed of the sampler (default: {GenConfig.seed}): the same seed writes "
                         "the same text, so change it for another sample")
     p.add_argument("--json", nargs="?", const="-", metavar="FILE",
-                   help="one JSON object instead of text (with --bench: the full report to FILE)")
+                   help="print one JSON object, not text; with --bench write the report to FILE")
     p.add_argument("--show-tree", action="store_true",
                    help="after each step, draw the draft tree (tokens, cumulative probability, "
                         "* on the accepted path, -> the target's own next token) on stderr")
@@ -221,14 +221,14 @@ def model_flags(p) -> None:
                                        "or ~/.cache/spec-decode)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"],
                    default="bfloat16", help="activations dtype, and the weights' where they stay "
-                   "float (bfloat16: fast on CPU, and the one dtype torch's int4/int8 CPU "
+                   "float (default bfloat16: fast on CPU, the one dtype torch's int4/int8 CPU "
                    "kernels are fast in)")
     p.add_argument("--weights", choices=["auto", "float", "int8", "int4"], default="auto",
                    help="the target's matrices: float (the checkpoint's, in --dtype), int8 (per "
                         "row) or int4 (groups of 32) in torch's weight-only CPU kernels, lm_head "
-                        "then int8. auto: int4 for the default model (its Q4_1 blocks come back "
-                        "exactly) in bfloat16 on CPU, else float (the kernels are slow in float16 "
-                        "and float32)")
+                        "then int8. auto, the default: int4 for the default model (its Q4_1 "
+                        "blocks come back exactly) in bfloat16 on CPU, else float (the kernels "
+                        "are slow in float16 and float32)")
     p.add_argument("--device", help="cpu, cuda, mps (default: the best available)")
     p.add_argument("--draft-int8", action=argparse.BooleanOptionalAction, default=True,
                    help="drafts (heads, the draft model, their draft-vocabulary projections) "
