@@ -411,8 +411,7 @@ class Compiled(nn.Module):
 
     def __init__(self, model: "Llama", sizes=(1,), slots: int = NARROWEST, taps=()):
         super().__init__()      # taps: what the steps return for an EAGLE-3 head (`step`)
-        self.model, self.sizes, self.slots = model, sorted(set(sizes)), slots
-        self.taps = tuple(taps)
+        self.model, self.sizes, self.slots, self.taps = model, sorted(set(sizes)), slots, taps
         self.config, self.embed = model.config, model.embed     # what decoding reads of a target
         cuda = model.embed.weight.device.type == "cuda"
         # a graph per (size, width, gather), and every method of a bench shares them

@@ -328,9 +328,10 @@ def draft_projection(mc: MethodConfig, target, vocab_ids):
 
 
 def head_folder(heads, kind: str) -> tuple:
-    """-> (folder, its head's kind): the folder of `heads` that holds a head this kind of method
-    drafts with (LAYOUTS), else the one shipped in weights/."""
-    chosen = [(f, k) for f in heads if (k := read_head_config(f).kind) in LAYOUTS[kind]]
+    """-> (folder, its head's kind): the head in `heads` of this kind, else of another of its
+    LAYOUTS (eagle2 and eagle3 rows can so compare two heads), else the one in weights/."""
+    given = [(f, read_head_config(f).kind) for f in heads]
+    chosen = [g for g in given if g[1] == kind] or [g for g in given if g[1] in LAYOUTS[kind]]
     if len(chosen) > 1:
         raise ValueError(f"--head: {' and '.join(f for f, _ in chosen)} all hold heads for "
                          f"{kind}; give one")

@@ -392,3 +392,14 @@ def test_export_eagle3_refuses_a_head_of_another_kind(tmp_path):
     from export import check_export
     with pytest.raises(LoadError, match="holds eagle heads; --format eagle3 exports eagle3"):
         check_export(f"{WEIGHTS}/smollm2-135m-eagle", str(tmp_path / "x"), "eagle3")
+
+
+def test_each_method_takes_a_head_of_its_own_kind_first(tmp_path):
+    """Given an EAGLE head and an EAGLE-3 one, eagle2 drafts with the former and eagle3 with the
+    latter (a bench compares them); given the EAGLE-3 head alone, eagle2 takes it."""
+    from default_model import WEIGHTS
+    from methods import head_folder
+    e3, eagle = write_head(tmp_path / "h"), f"{WEIGHTS}/smollm2-135m-eagle"
+    assert head_folder([e3, eagle], "eagle") == (eagle, "eagle")
+    assert head_folder([e3, eagle], "eagle3") == (e3, "eagle3")
+    assert head_folder([e3], "eagle") == (e3, "eagle3")
