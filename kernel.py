@@ -439,7 +439,7 @@ class Compiled(nn.Module):
                 positions = torch.arange(width - size, width, device=device)   # fills the width
                 self.run(torch.zeros(size, dtype=torch.long, device=device), positions,
                          torch.ones(size, size, dtype=torch.bool).tril(), cache, gather,
-                         self.taps)
+                         tuple(self.taps))
         return self
 
     def new_cache(self, batch: int = 1, slots: int | None = None) -> "KVCache":
