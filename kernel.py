@@ -26,6 +26,7 @@ Dimensions: B batch, T new tokens (queries), H query heads, K key/value heads, G
 dim, W cache slots read (whole blocks of SLOT_BLOCK), M rows of a linear call, I its inputs.
 """
 import itertools
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -375,12 +376,13 @@ def attend_fixed(q, keys, values, seen, win):
     return y.view(B, H, T, D).transpose(1, 2)                           # (B, T, H, D)
 
 
-def step(model: "Llama", tokens, positions, k, v, start, mask, gather: bool = True, taps=()):
+def step(model: "Llama", tokens, positions, k, v, start, mask, gather: bool = True, taps=(),
+         project: bool = True):
     """One decode step of fixed shapes, the graph torch.compile sees: tokens, positions (1, T)
     long, k and v each layer's cache, (1, K, S, D) and (1, K, S, D + 1) (written in place at
     slots start..start + T - 1), start () long, mask (T, T) bool among the new tokens, gather
-    whether queries gather their window -> logits (1, T, V), final hidden (1, T, C), or the
-    streams entering the layers `taps` names, as Llama.forward returns them (EAGLE-3)."""
+    whether queries gather their window -> logits (1, T, V) (None if not project), final hidden
+    (1, T, C), or the streams entering the layers `taps` names, as Llama.forward returns them."""
     B, T = tokens.shape
     S = k[0].shape[2]
     at = start + torch.arange(T, device=tokens.device)                 # (T,) their slots
@@ -400,19 +402,22 @@ def step(model: "Llama", tokens, positions, k, v, start, mask, gather: bool = Tr
         x = x + layer.mlp(layer.mlp_norm(x))
     hidden = model.norm(x)
     tapped += [hidden] if len(model.layers) in taps else []
-    return model.lm_head(hidden), torch.cat(tapped, -1) if taps else hidden
+    return model.lm_head(hidden) if project else None, torch.cat(tapped, -1) if taps else hidden
 
 
 class Compiled(nn.Module):
     """A target (model.Llama's interface) whose steps run compiled: one graph per step size in
     `sizes` (1 for plain decoding, a method's tree size; a smaller call is padded to it) and
     width attended (`cache_width` of the slots in use); prefills run eager. Its caches are
-    `slots` slots wide (a run's most), or wider where asked (a graph more per width then)."""
+    `slots` slots wide (a run's most), or wider where asked (a graph more per width then).
+    taps and project: what its calls will ask of `step` (warm_up compiles those graphs)."""
 
-    def __init__(self, model: "Llama", sizes=(1,), slots: int = NARROWEST, taps=()):
-        super().__init__()      # taps: what the steps return for an EAGLE-3 head (`step`)
+    def __init__(self, model: "Llama", sizes=(1,), slots: int = NARROWEST, taps=(),
+                 project: bool = True):
+        super().__init__()
         self.model, self.sizes, self.slots, self.taps = model, sorted(set(sizes)), slots, taps
-        self.config, self.embed = model.config, model.embed     # what decoding reads of a target
+        self.project = project          # False: a draft model that projects by itself
+        self.config, self.embed, self.lm_head = model.config, model.embed, model.lm_head
         cuda = model.embed.weight.device.type == "cuda"
         # a graph per (size, width, gather), and every method of a bench shares them
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -428,10 +433,13 @@ class Compiled(nn.Module):
         return [w for w in (NARROWEST << i for i in range(32)) if w <= cache_width(self.slots)]
 
     @torch.inference_mode()
-    def warm_up(self) -> "Compiled":
+    def warm_up(self, name: str = "the target") -> "Compiled":
         """Compile now every graph (size, width, gathering or not) its caches can need, so that
         no step of a run stops to compile (minutes each the first time, seconds from torch's
         on-disk cache). A step of one token never gathers."""
+        print(f"Compiling {name}'s decode step for {' and '.join(map(str, self.sizes))} tokens "
+              f"over {', '.join(map(str, self.widths()))} slots (minutes the first time; torch "
+              f"keeps the result for the next start)", file=sys.stderr)
         cache, device = self.new_cache(), self.embed.weight.device
         for width, size, gather in itertools.product(self.widths(), self.sizes, (False, True)):
             if size > 1 or not gather:
@@ -439,30 +447,32 @@ class Compiled(nn.Module):
                 positions = torch.arange(width - size, width, device=device)   # fills the width
                 self.run(torch.zeros(size, dtype=torch.long, device=device), positions,
                          torch.ones(size, size, dtype=torch.bool).tril(), cache, gather,
-                         tuple(self.taps))
+                         tuple(self.taps), self.project)
         return self
 
     def new_cache(self, batch: int = 1, slots: int | None = None) -> "KVCache":
         # every cache as wide: a graph's input strides (and so the graph) depend on it too
         return self.model.new_cache(batch, cache_width(max(slots or 0, self.slots)))
 
-    def forward(self, tokens, positions, cache, mask=None, last_only=False, taps=()):
+    def forward(self, tokens, positions, cache, mask=None, last_only=False, taps=(),
+                project=True):
         n, start = tokens.shape[1], cache.length
         size = next((s for s in self.sizes if s >= n), None)
         if size is None:                                              # a prefill
-            return self.model(tokens, positions, cache, mask, last_only, taps=taps)
+            return self.model(tokens, positions, cache, mask, last_only, project, taps)
         tree = (torch.ones(n, n, dtype=torch.bool).tril() if mask is None
                 else mask[:, start:].cpu())                         # (n, n) among new tokens
         chain = torch.equal(tree, torch.ones(n, n, dtype=torch.bool).tril())
         # a tree inside one block of slots needs no gather where the check at start found so
         gather = not chain and (self.model.gather or start % SLOT_BLOCK + n > SLOT_BLOCK)
         tokens, positions, tree = pad_inputs(tokens[0], positions[0], tree, size)
-        logits, hidden = self.run(tokens, positions, tree, cache, gather, tuple(taps))
+        logits, hidden = self.run(tokens, positions, tree, cache, gather, tuple(taps), project)
         cache.length = start + n
-        logits = logits[:, n - 1:n] if last_only else logits[:, :n]
+        if project:
+            logits = logits[:, n - 1:n] if last_only else logits[:, :n]
         return logits, hidden[:, :n]                 # the pads' slots go with the rejected
 
-    def run(self, tokens, positions, tree, cache, gather: bool, taps=()) -> tuple:
+    def run(self, tokens, positions, tree, cache, gather: bool, taps=(), project=True) -> tuple:
         """The graph of tokens' size on tokens, positions (N,), tree (N, N) at the cache's end
         (its length unchanged) -> logits (1, N, V), hidden (1, N, C)."""
         start, size, device = cache.length, tokens.shape[0], tokens.device
@@ -472,18 +482,8 @@ class Compiled(nn.Module):
         keys = [k[:, :, :width] for k in cache.k.unbind(0)]              # (1, K, width, D)
         values = [v[:, :, :width] for v in cache.v.unbind(0)]            # (1, K, width, D + 1)
         return self.graph(self.model, tokens[None], positions[None], keys, values,
-                          torch.tensor(start, device=device), tree.to(device), gather, taps)
-
-
-def check_compiler() -> None:
-    """Compile a one-line function, so that a machine that cannot (no C++ compiler, no backend
-    for the device) is told in one line before a model is loaded; never inductor's traceback."""
-    try:
-        torch.compile(lambda x: x * 2 + 1, fullgraph=True)(torch.ones(8))
-    except Exception as e:                      # inductor raises many kinds; all mean the same
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise ValueError(f"--compile: torch cannot compile on this machine ({reason}); "
-                           f"run without --compile: eager decoding works") from None
+                          torch.tensor(start, device=device), tree.to(device), gather, taps,
+                          project)
 
 
 def pad_inputs(tokens, pos, mask, size: int) -> tuple:

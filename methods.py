@@ -16,7 +16,7 @@ from checkpoint import load_head, load_model, read_head_config, read_json
 from costs import AUTO_MAX, Priced, Sizer
 from default_model import WEIGHTS, default_model_path
 from heads import best_paths, projection
-from kernel import check_rows
+from kernel import Compiled, check_rows
 from model import Llama, LlamaConfig, LoadError, RopeScaling
 from proposers import (DraftConfig, DraftModelProposer, EagleProposer, LookupEagleProposer,
                        MedusaProposer, PromptLookupProposer, SizeRule)
@@ -208,6 +208,17 @@ def exact_routes(target, compiled: bool = False) -> list:
     return lines
 
 
+def check_compiler() -> None:
+    """Compile a one-line function, so that a machine that cannot (no C++ compiler, no backend
+    for the device) is told in one line before a model is loaded; never inductor's traceback."""
+    try:
+        torch.compile(lambda x: x * 2 + 1, fullgraph=True)(torch.ones(8))
+    except Exception as e:                      # inductor raises many kinds; all mean the same
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise ValueError(f"--compile: torch cannot compile on this machine ({reason}); "
+                           f"run without --compile: eager decoding works") from None
+
+
 def build_ngram(mc: MethodConfig) -> tuple:
     """Prompt lookup: up to depth tokens, scaled by how long a match was found."""
     proposer = PromptLookupProposer(mc.depth, mc.ngram_max)
@@ -231,7 +242,10 @@ def build_draft(mc: MethodConfig, path: str, target, tokenizer, slots: int) -> t
     draft = quantize(draft, draft_form(mc, draft), rows=False)  # the target's shared: skipped
     vocab = load_draft_vocab(folder, target.config.vocab_size)
     proj = None if vocab is None else draft_projection(mc, target, vocab)
-    proposer = DraftModelProposer(draft, mc.depth, slots, vocab, proj)
+    # compiled: its steps of 1 token and of 2 (the root after a chain accepted whole)
+    fast = (Compiled(draft, (1, 2), slots, project=False).warm_up("the draft model")
+            if mc.compile else draft)
+    proposer = DraftModelProposer(fast, mc.depth, slots, vocab, proj)
     extra = sum(t.numel() * t.element_size() for t in [*draft.parameters(), *draft.buffers()]
                 if id(t) not in own) + module_bytes(proposer.proj)
     if vocab is not None:

@@ -152,10 +152,9 @@ class DraftModelProposer:
         start = self.cache.length
         tokens = torch.tensor([ids], device=self.device)                       # (1, T)
         pos = torch.arange(start, start + len(ids), device=self.device)[None]
-        if self.vocab_ids is None or full:
-            return self.model(tokens, pos, self.cache, last_only=True)[0][0, -1]
         _, hidden = self.model(tokens, pos, self.cache, project=False)         # (1, T, C)
-        return self.proj(hidden[0, -1:])[0]
+        head = self.model.lm_head if self.vocab_ids is None or full else self.proj
+        return head(hidden[0, -1:])[0]
 
     def propose(self, root: int, gen, generator) -> tuple:
         sampled = gen.temperature > 0

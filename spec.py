@@ -17,9 +17,9 @@ from bench import COMPILED, BenchConfig, run_bench, verify_curve
 from checkpoint import write_json
 from decode import GenConfig, acceptance_by_position, check_room, generate_ar, generate_spec
 from methods import (HEAD_KIND, METHODS, RANDOM, SHAPES, TREE_DEFAULTS, MethodConfig,
-                     TargetConfig, build_proposer, check_heads, describe, exact_routes, load_target,
-                     method_config, parse_flags, room)
-from kernel import Compiled, check_compiler
+                     TargetConfig, build_proposer, check_compiler, check_heads, describe,
+                     exact_routes, load_target, method_config, parse_flags, room)
+from kernel import Compiled
 from tree import render_tree
 
 # long enough an answer to watch drafts arrive in bursts
@@ -65,8 +65,7 @@ def bench_decoder(args, safe: list, method: str, loaded: tuple, gen: GenConfig,
         plain = Compiled(target, slots=slots).warm_up() if fast else target
         return (lambda ids: generate_ar(plain, ids, gen, tokenizer.stop_ids)), 0.0, "plain" + alone
     mc = method_of(args, method, compile=fast)
-    proposer, info = build_proposer(mc, path, target, tokenizer,
-                                    target.config.max_positions + room(mc) + 1)
+    proposer, info = build_proposer(mc, path, target, tokenizer, slots + room(mc) + 1)
     sizes, taps = (1, proposer.max_nodes), getattr(proposer, "taps", ())    # taps: EAGLE-3's
     verifier = Compiled(target, sizes, slots, taps).warm_up() if fast else target
     return (lambda ids: generate_spec(verifier, proposer, ids, gen, tokenizer.stop_ids),
@@ -81,30 +80,26 @@ def run(args) -> dict:
     gen = GenConfig(args.max_new_tokens, args.temperature[0], args.top_p, args.seed)
     marks = sys.stdout.isatty() if args.show_drafts is None else args.show_drafts
     stream = None if args.json else Streamer(tokenizer, marks)
-    # --compile: a short run first compiles, so that the printed tokens/s is the steady state
-    warm = GenConfig(8, gen.temperature, gen.top_p, gen.seed)
     routes = exact_routes(target, args.compile)
     checked = routes or ["every kernel the check tries gives a row the same bits in any call"]
     for line in (checked if args.verbose else ()):
         print(f"exact: {line}", file=sys.stderr)
+    info, shown = {}, {"on_step": tree_printer(tokenizer)} if args.show_tree else {}
     if args.method == "ar":
-        if args.compile:
-            target = Compiled(target, slots=check_room(target, prompt_ids, gen))
-            compiling(target)
-            generate_ar(target, prompt_ids, warm, tokenizer.stop_ids)
-        result, info = generate_ar(target, prompt_ids, gen, tokenizer.stop_ids, stream), {}
+        fast = Compiled(target, slots=check_room(target, prompt_ids, gen)) if args.compile else None
+        decode = partial(generate_ar, fast or target, prompt_ids)
     else:
         mc = method_of(args, args.method)
         slots = check_room(target, prompt_ids, gen, room(mc))
         proposer, info = build_proposer(mc, path, target, tokenizer, slots)
-        show = tree_printer(tokenizer) if args.show_tree else None
-        verifier = (Compiled(target, (1, proposer.max_nodes), slots, getattr(proposer, "taps", ()))
-                    if args.compile else target)
-        if args.compile:
-            compiling(verifier)
-            generate_spec(verifier, proposer, prompt_ids, warm, tokenizer.stop_ids)
-        result = generate_spec(verifier, proposer, prompt_ids, gen, tokenizer.stop_ids, stream,
-                               show)
+        fast = (Compiled(target, (1, proposer.max_nodes), slots, getattr(proposer, "taps", ()))
+                if args.compile else None)
+        decode = partial(generate_spec, fast or target, proposer, prompt_ids)
+    if fast:                    # every graph compiled, then a short run: the steady state's speed
+        fast.warm_up()
+        decode(GenConfig(8, gen.temperature, gen.top_p, gen.seed), tokenizer.stop_ids)
+    result = decode(gen, tokenizer.stop_ids, stream, **shown)     # the trees: not for ar
+    if args.method != "ar":
         steps = max(len(result.drafted), 1)
         info |= {"drafted_per_step": round(sum(result.drafted) / steps, 2),
                  "phase_ms_per_step": {p: round(1000 * sum(s) / steps, 2)
@@ -123,14 +118,6 @@ def run(args) -> dict:
             "seconds": round(result.seconds, 3),
             "tokens_per_s": round(len(result.token_ids) / max(result.seconds, 1e-9), 2),
             "rows_alone": routes} | info
-
-
-def compiling(fast: Compiled) -> None:
-    """--compile: compile every graph the run needs, before it starts."""
-    print(f"Compiling the decode step for {' and '.join(map(str, fast.sizes))} tokens over "
-          f"{', '.join(map(str, fast.widths()))} slots (minutes the first time; torch "
-          f"keeps the result for the next start)", file=sys.stderr)
-    fast.warm_up()
 
 
 def tree_printer(tokenizer):

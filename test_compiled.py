@@ -9,6 +9,7 @@ import torch
 
 from kernel import Compiled, check_rows, pad_inputs, step, with_prefix
 from decode import GenConfig, generate_ar, generate_spec
+from proposers import DraftModelProposer
 from quantize import quantize
 from test_spec import random_tree, tiny_model
 from tree import ancestor_mask, make_tree, positions
@@ -66,6 +67,24 @@ def test_compiled_methods_write_compiled_plain_decodings_text(target):
             spec = generate_spec(fast, KnownTrees(plain, seed), prompt, gen)
             assert spec.token_ids == plain, f"prompt of {len(prompt)}, seed {seed}"
             assert sum(spec.accepted) >= 10 and len(set(spec.drafted)) >= 3
+
+
+def test_a_compiled_draft_model_drafts_what_it_drafts_eager(target):
+    """The draft model's step compiled (without the vocabulary projection, which the proposer
+    makes): the same chains as eager drafting, and compiled plain decoding's text. The target
+    drafts for itself, so chains are accepted whole and the 2-token step (pending and root)
+    runs too."""
+    gen, slots = GenConfig(max_new_tokens=30), 128
+    fast = Compiled(target, (1, TREE))
+    plain = generate_ar(fast, SHORT, gen).token_ids
+    drafts = []
+    for draft in (target, Compiled(target, (1, 2), slots, project=False).warm_up()):
+        chains = []
+        spec = generate_spec(fast, DraftModelProposer(draft, 2, slots), SHORT, gen,
+                             on_step=lambda tree, *_: chains.append(tree.tokens.tolist()))
+        assert spec.token_ids == plain and sum(spec.accepted) >= 15
+        drafts.append(chains)
+    assert drafts[0] == drafts[1]
 
 
 def test_compiled_sampling_equals_compiled_plain_sampling(target):
