@@ -303,7 +303,7 @@ def build_head(mc: MethodConfig, target, slots: int, extra: int = 0) -> tuple:
             raise ValueError(f"{folder}/config.json has no measured accuracy to build a tree from")
         size = cap if auto else mc.tree_size or mc.depth * mc.top_k
         tree = static_tree(best_paths(accuracy, size))
-        proposer = (MedusaProposer(target, head, tree, proj) if kind == "medusa" else
+        proposer = (MedusaProposer(target, head, tree, proj, mc.compile) if kind == "medusa" else
                     EagleProposer(target, head, DraftConfig(mc.depth), slots, tree, proj=proj))
     sizer = (Sizer(mc.method, accuracy, min(mc.depth, size), extra, rule, mc.verbose, cap)
              if auto else None)              # depth: EAGLE-2's rounds, which it prices

@@ -330,11 +330,15 @@ class MedusaProposer:
     """Medusa: M heads read the target's feature of the last accepted token at once; the static
     tree's node at depth d and rank r is head d - 1's r-th most likely token (Cai et al. 2024)."""
 
-    def __init__(self, target: Llama, head, static, proj=None):
+    def __init__(self, target: Llama, head, static, proj=None, compile: bool = False):
         """proj: the shared projection onto the draft vocabulary, a module C -> R (default
-        heads.projection)."""
+        heads.projection); compile: the heads and it as one graph (of one shape: --compile)."""
         self.head, self.static = head, static
         self.proj = proj if proj is not None else projection(target, head.vocab_ids)
+        self.draft = torch.nn.Sequential(head, self.proj)                      # (C,) -> (M, R)
+        if compile:          # rounding every intermediate as eager does (see kernel.Compiled)
+            self.draft = torch.compile(self.draft, fullgraph=True, dynamic=False,
+                                       options={"emulate_precision_casts": True})
         self.vocab_ids = head.vocab_ids.cpu()
         self.max_nodes = static.parents.shape[0]
         if int(static.depths.max()) > len(head.blocks):
@@ -346,7 +350,7 @@ class MedusaProposer:
 
     def propose(self, root: int, gen, generator) -> tuple:
         st = self.static
-        logits = self.proj(self.head(self.feature))                  # (M, R)
+        logits = self.draft(self.feature)                                   # (M, R)
         top = logits.topk(int(st.ranks.max()) + 1).indices.cpu()            # (M, ranks)
         tokens = self.vocab_ids[top[(st.depths - 1).clamp(min=0), st.ranks]]
         tokens[0] = root

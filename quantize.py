@@ -176,7 +176,10 @@ def load_quantized(folder: str, dtype, form: str, head_form: str, keep: str) -> 
     """load_model(folder) on the CPU in `form` (lm_head in `head_form`), read from the file
     `keep` (a named artifact beside the weights, deleted to pack again) where it holds that form
     for this torch and instruction set; else packed here (most of a start) and written there."""
-    stamp = kept_stamp(dtype, form, head_form)
+    # what makes a kept form invalid: the forms, and the torch and instruction set whose
+    # kernels' packed layout it holds
+    stamp = {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(),
+             "dtype": str(dtype), "forms": f"{form}/{head_form}"}
     model = read_kept(folder, keep, stamp, form, head_form)
     if model is None:
         print(f"Packing the model's {form} weights, once, into {keep}", file=sys.stderr)
@@ -185,13 +188,6 @@ def load_quantized(folder: str, dtype, form: str, head_form: str, keep: str) -> 
             print(f"note: could not keep them in {keep}: the next start packs them again",
                   file=sys.stderr)
     return model
-
-
-def kept_stamp(dtype, form: str, head_form: str) -> dict:
-    """What makes a kept form invalid: the forms, and the torch and instruction set whose
-    kernels' packed layout it holds."""
-    return {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(),
-            "dtype": str(dtype), "forms": f"{form}/{head_form}"}
 
 
 def read_kept(folder: str, keep: str, stamp: dict, form: str, head_form: str) -> Llama | None:

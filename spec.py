@@ -222,9 +222,9 @@ def model_flags(p) -> None:
                         "run torch's int8 weight-only kernel, in bfloat16 on CPU only (slow in "
                         "float16 and float32). A draft only proposes: decoding stays lossless")
     p.add_argument("--compile", action="store_true",
-                   help="the target's decode step as one torch.compile graph per size (1 token, "
-                        "the method's tree padded to one size, auto's largest); "
-                        "drafting stays eager. Every compiled method writes compiled ar's text "
+                   help="decode steps as torch.compile graphs of fixed sizes: the target's (1 "
+                        "token, the tree padded to one size), the draft model's, Medusa's heads "
+                        "(EAGLE's rounds stay eager). Compiled methods write compiled ar's text "
                         "(which may differ from eager's). The first start compiles for minutes; "
                         "with --bench every method also runs compiled (METHOD+compile rows)")
 

@@ -9,10 +9,11 @@ import torch
 
 from kernel import Compiled, check_rows, pad_inputs, step, with_prefix
 from decode import GenConfig, generate_ar, generate_spec
-from proposers import DraftModelProposer
+from proposers import DraftModelProposer, MedusaProposer
 from quantize import quantize
+from test_heads import PATHS, random_medusa
 from test_spec import random_tree, tiny_model
-from tree import ancestor_mask, make_tree, positions
+from tree import ancestor_mask, make_tree, positions, static_tree
 
 TREE = 6
 SHORT = [3, 4, 5, 6, 7, 8, 3, 4, 5, 6, 7, 8, 3, 4]
@@ -85,6 +86,20 @@ def test_a_compiled_draft_model_drafts_what_it_drafts_eager(target):
         assert spec.token_ids == plain and sum(spec.accepted) >= 15
         drafts.append(chains)
     assert drafts[0] == drafts[1]
+
+
+def test_compiled_medusa_heads_draft_what_they_draft_eager(target):
+    gen, heads = GenConfig(max_new_tokens=30), random_medusa(target, 3, 1).to(torch.bfloat16)
+    fast = Compiled(target, (1, TREE))
+    plain, trees = generate_ar(fast, SHORT, gen).token_ids, []
+    for compile in (False, True):
+        seen = []
+        proposer = MedusaProposer(target, heads, static_tree(PATHS[:TREE - 1]), compile=compile)
+        spec = generate_spec(fast, proposer, SHORT, gen,
+                             on_step=lambda tree, *_: seen.append(tree.tokens.tolist()))
+        assert spec.token_ids == plain
+        trees.append(seen)
+    assert trees[0] == trees[1] and len({t for tree in trees[0] for t in tree}) > 10
 
 
 def test_compiled_sampling_equals_compiled_plain_sampling(target):
