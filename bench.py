@@ -227,13 +227,13 @@ def run_bench(bc: BenchConfig, build, loaded: tuple, out=sys.stdout) -> dict:
         runs.append({"temperature": T, "summary": summary})
     if len(runs) > 1:
         print("\n" + format_temperatures(runs, methods), file=out)
-    count = len({r.id for r in records})
     if bc.plot:
         plots(bc.plot, runs, methods, forward_costs(target, PLOT_SIZES, repeats=3))
         print(f"plots written to {bc.plot}", file=sys.stderr)
     return {"model_path": path, "dtype": bc.target.dtype, "device": bc.target.device,
-            "prompts": bc.prompts, "count": count, "max_new_tokens": bc.max_new_tokens,
-            "interrupted": interrupted, "runs": runs, "records": [r.__dict__ for r in records]}
+            "prompts": bc.prompts, "count": len({r.id for r in records}), "runs": runs,
+            "max_new_tokens": bc.max_new_tokens, "interrupted": interrupted,
+            "records": [r.__dict__ for r in records]}
 
 
 PLOT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)     # tokens a verify pass, plotted

@@ -162,8 +162,7 @@ def attend_alone(q, keys, values, mask):
     rows = []
     for t in range(q.shape[1]):
         slots = mask[t].nonzero()[:, 0]                                 # (L,) in slot order
-        L = slots.shape[0]
-        W = round_up(L)
+        L, W = slots.shape[0], round_up(slots.shape[0])
         k = F.pad(keys[:, :, slots], (0, 0, 0, W - L))                  # (B, K, W, D)
         v = F.pad(values[:, :, slots], (0, 0, 0, W - L))                # (B, K, W, D + 1)
         seen = torch.arange(W, device=mask.device)[None] < L            # (1, W)
@@ -406,17 +405,17 @@ def step(model: "Llama", tokens, positions, k, v, start, mask, gather: bool = Tr
 
 
 class Compiled(nn.Module):
-    """A target (model.Llama's interface) whose steps run compiled: one graph per step size in
-    `sizes` (1 for plain decoding, a method's tree size; a smaller call is padded to it) and
-    width attended (`cache_width` of the slots in use); prefills run eager. Its caches are
-    `slots` slots wide (a run's most), or wider where asked (a graph more per width then).
-    taps and project: what its calls will ask of `step` (warm_up compiles those graphs)."""
+    """A target (model.Llama's interface) whose steps run compiled: a graph per width attended
+    (`cache_width` of the slots in use) and step size of `sizes` (a chain takes the least that
+    holds it, a tree the largest; trees: whether calls may be trees, which need a gathering
+    graph too); prefills run eager. Caches are `slots` wide (a run's most; wider where asked: a
+    graph more a width). taps and project: what calls ask of `step` (False: a draft's)."""
 
     def __init__(self, model: "Llama", sizes=(1,), slots: int = NARROWEST, taps=(),
-                 project: bool = True):
+                 project: bool = True, trees: bool = True):
         super().__init__()
         self.model, self.sizes, self.slots, self.taps = model, sorted(set(sizes)), slots, taps
-        self.project = project          # False: a draft model that projects by itself
+        self.project, self.trees = project, trees
         self.config, self.embed, self.lm_head = model.config, model.embed, model.lm_head
         cuda = model.embed.weight.device.type == "cuda"
         # a graph per (size, width, gather), and every method of a bench shares them
@@ -436,13 +435,13 @@ class Compiled(nn.Module):
     def warm_up(self, name: str = "the target") -> "Compiled":
         """Compile now every graph (size, width, gathering or not) its caches can need, so that
         no step of a run stops to compile (minutes each the first time, seconds from torch's
-        on-disk cache). A step of one token never gathers."""
+        on-disk cache)."""
         print(f"Compiling {name}'s decode step for {' and '.join(map(str, self.sizes))} tokens "
               f"over {', '.join(map(str, self.widths()))} slots (minutes the first time; torch "
               f"keeps the result for the next start)", file=sys.stderr)
         cache, device = self.new_cache(), self.embed.weight.device
         for width, size, gather in itertools.product(self.widths(), self.sizes, (False, True)):
-            if size > 1 or not gather:
+            if not gather or self.trees and size == self.sizes[-1] > 2:  # (2 nodes: a chain)
                 cache.length = width - size
                 positions = torch.arange(width - size, width, device=device)   # fills the width
                 self.run(torch.zeros(size, dtype=torch.long, device=device), positions,
@@ -457,12 +456,12 @@ class Compiled(nn.Module):
     def forward(self, tokens, positions, cache, mask=None, last_only=False, taps=(),
                 project=True):
         n, start = tokens.shape[1], cache.length
-        size = next((s for s in self.sizes if s >= n), None)
-        if size is None:                                              # a prefill
+        if n > self.sizes[-1]:                                        # a prefill
             return self.model(tokens, positions, cache, mask, last_only, project, taps)
         tree = (torch.ones(n, n, dtype=torch.bool).tril() if mask is None
                 else mask[:, start:].cpu())                         # (n, n) among new tokens
         chain = torch.equal(tree, torch.ones(n, n, dtype=torch.bool).tril())
+        size = next(s for s in self.sizes if s >= n) if chain else self.sizes[-1]
         # a tree inside one block of slots needs no gather where the check at start found so
         gather = not chain and (self.model.gather or start % SLOT_BLOCK + n > SLOT_BLOCK)
         tokens, positions, tree = pad_inputs(tokens[0], positions[0], tree, size)

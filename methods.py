@@ -219,6 +219,14 @@ def check_compiler() -> None:
                            f"run without --compile: eager decoding works") from None
 
 
+def compiled_verifier(target, mc: MethodConfig, proposer, slots: int) -> Compiled:
+    """--compile's target: chain methods (ngram, draft) keep a graph per step size up to their
+    most, tree methods for 1 token and their trees' padded size (docs/RESULTS.md: why)."""
+    most, chains = proposer.max_nodes, mc.method in ("ngram", "draft")
+    return Compiled(target, range(1, most + 1) if chains else (1, most), slots,
+                    getattr(proposer, "taps", ()), trees=not chains)    # taps: EAGLE-3's
+
+
 def build_ngram(mc: MethodConfig) -> tuple:
     """Prompt lookup: up to depth tokens, scaled by how long a match was found."""
     proposer = PromptLookupProposer(mc.depth, mc.ngram_max)
@@ -370,22 +378,17 @@ def check_heads(heads, methods: list) -> None:
 
 
 def room(mc: MethodConfig) -> int:
-    """Cache slots a proposal may need beyond the committed tokens: the nodes it verifies, and
-    those a draft model feeds its own cache while growing them."""
-    return mc.depth * mc.top_k + tree_budget(mc) + 1
-
-
-def tree_budget(mc: MethodConfig) -> int:
-    """Most nodes a proposal may verify: the cache needs room for them."""
-    lookup = LOOKUP_DEPTH if mc.method == "eagle2+ngram" else 0
-    return (AUTO_MAX if mc.tree_size == "auto" else mc.tree_size) + lookup
+    """Cache slots a proposal may need beyond the committed tokens: the nodes it verifies (a
+    lookup chain's too), and those a draft model feeds its own cache while growing them."""
+    verified = (AUTO_MAX if mc.tree_size == "auto" else mc.tree_size) + \
+        LOOKUP_DEPTH * (mc.method == "eagle2+ngram")
+    return mc.depth * mc.top_k + verified + 1
 
 
 def describe(mc: MethodConfig, info: dict) -> str:
     """The method's configuration in words, for the bench's tables."""
     size = info.get("tree_size") or mc.tree_size or mc.depth * mc.top_k
-    nodes = f"{size} nodes"
-    shape = f"{mc.depth} x top-{mc.top_k}"
+    nodes, shape = f"{size} nodes", f"{mc.depth} x top-{mc.top_k}"
     return {"eagle2+ngram": f"{shape}, {nodes} + lookup <= {LOOKUP_DEPTH} (1 round after a "
                             "full match)",
             "ngram": f"chain of <= {mc.depth}, by match",

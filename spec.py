@@ -17,8 +17,8 @@ from bench import COMPILED, BenchConfig, run_bench, verify_curve
 from checkpoint import write_json
 from decode import GenConfig, acceptance_by_position, check_room, generate_ar, generate_spec
 from methods import (HEAD_KIND, METHODS, RANDOM, SHAPES, TREE_DEFAULTS, MethodConfig,
-                     TargetConfig, build_proposer, check_compiler, check_heads, describe,
-                     exact_routes, load_target, method_config, parse_flags, room)
+                     TargetConfig, build_proposer, check_compiler, check_heads, compiled_verifier,
+                     describe, exact_routes, load_target, method_config, parse_flags, room)
 from kernel import Compiled
 from tree import render_tree
 
@@ -66,8 +66,7 @@ def bench_decoder(args, safe: list, method: str, loaded: tuple, gen: GenConfig,
         return (lambda ids: generate_ar(plain, ids, gen, tokenizer.stop_ids)), 0.0, "plain" + alone
     mc = method_of(args, method, compile=fast)
     proposer, info = build_proposer(mc, path, target, tokenizer, slots + room(mc) + 1)
-    sizes, taps = (1, proposer.max_nodes), getattr(proposer, "taps", ())    # taps: EAGLE-3's
-    verifier = Compiled(target, sizes, slots, taps).warm_up() if fast else target
+    verifier = compiled_verifier(target, mc, proposer, slots).warm_up() if fast else target
     return (lambda ids: generate_spec(verifier, proposer, ids, gen, tokenizer.stop_ids),
             info["draft_memory_mb"], describe(mc, info) + alone)
 
@@ -92,8 +91,7 @@ def run(args) -> dict:
         mc = method_of(args, args.method)
         slots = check_room(target, prompt_ids, gen, room(mc))
         proposer, info = build_proposer(mc, path, target, tokenizer, slots)
-        fast = (Compiled(target, (1, proposer.max_nodes), slots, getattr(proposer, "taps", ()))
-                if args.compile else None)
+        fast = compiled_verifier(target, mc, proposer, slots) if args.compile else None
         decode = partial(generate_spec, fast or target, proposer, prompt_ids)
     if fast:                    # every graph compiled, then a short run: the steady state's speed
         fast.warm_up()

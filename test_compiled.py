@@ -189,6 +189,25 @@ def test_padding_a_tree_keeps_its_nodes_and_makes_pads_see_before_them():
         pad_inputs(torch.arange(6), torch.arange(6), causal.new_ones(6, 6), 5)
 
 
+def test_a_chain_takes_the_least_size_that_holds_it_and_a_tree_the_largest(target):
+    fast, sizes = Compiled(target, (1, 2, 3, TREE)), []
+    fast.run = lambda tokens, *_: sizes.append(tokens.shape[0]) or (None, torch.zeros(1, TREE, 8))
+    star = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)    # root, 2 children
+    for n, mask in ((1, None), (2, None), (3, None), (3, star), (4, None)):
+        cache = fast.new_cache()
+        tree = None if mask is None else with_prefix(mask, 0)
+        fast(torch.zeros(1, n, dtype=torch.long), torch.arange(n)[None], cache, tree, project=False)
+    assert sizes == [1, 2, 3, TREE, TREE]
+
+
+def test_chain_methods_keep_a_graph_per_size_and_tree_methods_pad(target):
+    from types import SimpleNamespace
+    from methods import compiled_verifier, method_config
+    for method, sizes, trees in (("ngram", [1, 2, 3, 4], False), ("eagle2", [1, 4], True)):
+        fast = compiled_verifier(target, method_config(method), SimpleNamespace(max_nodes=4), 64)
+        assert (fast.sizes, fast.trees) == (sizes, trees), method
+
+
 def test_a_machine_that_cannot_compile_is_told_in_one_line(capsys):
     import torch._inductor.config as inductor
     from spec import main

@@ -940,10 +940,11 @@ def test_prompt_lookup_finds_the_latest_match_and_is_lossless():
 
 def test_cache_room_counts_the_lookup_branch():
     # eagle2+ngram verifies EAGLE-2's tree plus the lookup chain: the cache must hold both.
-    from methods import AUTO_MAX, LOOKUP_DEPTH, method_config, tree_budget
-    assert tree_budget(method_config("eagle2+ngram")) == AUTO_MAX + LOOKUP_DEPTH
-    assert tree_budget(method_config("eagle2+ngram", tree_size=7)) == 7 + LOOKUP_DEPTH
-    assert tree_budget(method_config("eagle2", tree_size=7)) == 7
+    from methods import AUTO_MAX, LOOKUP_DEPTH, method_config, room
+    drafted = 3 * 4 + 1                                  # EAGLE-2's fed nodes (3 x top-4), + 1
+    assert room(method_config("eagle2+ngram")) == drafted + AUTO_MAX + LOOKUP_DEPTH
+    assert room(method_config("eagle2+ngram", tree_size=7)) == drafted + 7 + LOOKUP_DEPTH
+    assert room(method_config("eagle2", tree_size=7)) == drafted + 7
 
 
 def test_random_model_of_a_known_shape(capsys):
