@@ -441,7 +441,7 @@ class Compiled(nn.Module):
               f"keeps the result for the next start)", file=sys.stderr)
         cache, device = self.new_cache(), self.embed.weight.device
         for width, size, gather in itertools.product(self.widths(), self.sizes, (False, True)):
-            if not gather or self.trees and size == self.sizes[-1] > 2:  # (2 nodes: a chain)
+            if not gather or self.trees and size == self.sizes[-1] > 2:  # 2 nodes: a chain
                 cache.length = width - size
                 positions = torch.arange(width - size, width, device=device)   # fills the width
                 self.run(torch.zeros(size, dtype=torch.long, device=device), positions,
