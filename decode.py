@@ -2,8 +2,7 @@
 commit. They need a target (model.Llama, or kernel.Compiled around one) and, for speculative
 decoding, a proposer (proposers.py); nothing here knows the command line.
 
-Dimensions: T tokens, N tree nodes, V vocab.
-"""
+Dimensions: T tokens, N tree nodes, V vocab."""
 import time
 from dataclasses import dataclass, field
 

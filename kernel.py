@@ -428,17 +428,18 @@ class Compiled(nn.Module):
                                             "triton.cudagraphs": cuda})
 
     def widths(self) -> list:
-        """The widths its caches attend over as they fill: a graph each."""
-        return [w for w in (NARROWEST << i for i in range(32)) if w <= cache_width(self.slots)]
+        """The widths its caches attend over as they fill, up to the context's: a graph each."""
+        most = min(cache_width(self.slots), cache_width(self.config.max_positions))
+        return [w for w in (NARROWEST << i for i in range(32)) if w <= most]
 
     @torch.inference_mode()
     def warm_up(self, name: str = "the target") -> "Compiled":
         """Compile now every graph (size, width, gathering or not) its caches can need, so that
         no step of a run stops to compile (minutes each the first time, seconds from torch's
         on-disk cache)."""
-        print(f"Compiling {name}'s decode step for {' and '.join(map(str, self.sizes))} tokens "
-              f"over {', '.join(map(str, self.widths()))} slots (minutes the first time; torch "
-              f"keeps the result for the next start)", file=sys.stderr)
+        print(f"Compiling {name}'s steps of {', '.join(map(str, self.sizes))} token"
+              f"{'s' * (self.sizes != [1])} over {', '.join(map(str, self.widths()))} slots "
+              f"(minutes the first time; torch keeps them for the next start)", file=sys.stderr)
         cache, device = self.new_cache(), self.embed.weight.device
         for width, size, gather in itertools.product(self.widths(), self.sizes, (False, True)):
             if not gather or self.trees and size == self.sizes[-1] > 2:  # 2 nodes: a chain

@@ -221,10 +221,10 @@ def model_flags(p) -> None:
                         "float16 and float32). A draft only proposes: decoding stays lossless")
     p.add_argument("--compile", action="store_true",
                    help="decode steps as torch.compile graphs of fixed sizes: the target's (1 "
-                        "token, the tree padded to one size), the draft model's, Medusa's heads "
-                        "(EAGLE's rounds stay eager). Compiled methods write compiled ar's text "
-                        "(which may differ from eager's). The first start compiles for minutes; "
-                        "with --bench every method also runs compiled (METHOD+compile rows)")
+                        "token, a tree padded to one size, a chain at its own), the draft's, "
+                        "Medusa's heads (EAGLE's rounds stay eager); compiled methods write "
+                        "compiled ar's text (it may differ from eager's). The first start compiles "
+                        "for minutes; --bench also runs every method compiled (METHOD+compile)")
 
 
 def draft_flags(p) -> None:

@@ -191,6 +191,7 @@ def test_padding_a_tree_keeps_its_nodes_and_makes_pads_see_before_them():
 
 def test_a_chain_takes_the_least_size_that_holds_it_and_a_tree_the_largest(target):
     fast, sizes = Compiled(target, (1, 2, 3, TREE)), []
+    assert Compiled(target, slots=10_000).widths() == [256, 512], "none past the context (512)"
     fast.run = lambda tokens, *_: sizes.append(tokens.shape[0]) or (None, torch.zeros(1, TREE, 8))
     star = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)    # root, 2 children
     for n, mask in ((1, None), (2, None), (3, None), (3, star), (4, None)):
