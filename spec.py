@@ -54,18 +54,18 @@ def bench_config(args) -> BenchConfig:
 
 def bench_decoder(args, safe: list, method: str, loaded: tuple, gen: GenConfig,
                   slots: int) -> tuple:
-    """For bench.run_bench: (prompt_ids -> Result, MB the method adds to the target, its
-    configuration in words). safe: the check's reroutes (one check for every method); slots:
-    the most a conversation needs (compiled: every graph is compiled before the timing)."""
+    """For bench.run_bench: (prompt_ids -> Result, MB the method adds, its configuration in
+    words). safe: the check's reroutes (one for all methods); slots: the most a conversation
+    needs. Compiled, every graph is compiled here, before the timing."""
     path, target, tokenizer = loaded
-    fast = method.endswith(COMPILED)
-    method = method.removesuffix(COMPILED)
+    fast, method = method.endswith(COMPILED), method.removesuffix(COMPILED)
     alone = f"; rows alone: {len(safe)} kernels" if safe else ""
     if method == "ar":
         plain = Compiled(target, slots=slots).warm_up() if fast else target
         return (lambda ids: generate_ar(plain, ids, gen, tokenizer.stop_ids)), 0.0, "plain" + alone
     mc = method_of(args, method, compile=fast)
-    proposer, info = build_proposer(mc, path, target, tokenizer, slots + room(mc) + 1)
+    most = slots if fast else target.config.max_positions    # compiled: a draft graph a width
+    proposer, info = build_proposer(mc, path, target, tokenizer, most + room(mc) + 1)
     verifier = compiled_verifier(target, mc, proposer, slots).warm_up() if fast else target
     return (lambda ids: generate_spec(verifier, proposer, ids, gen, tokenizer.stop_ids),
             info["draft_memory_mb"], describe(mc, info) + alone)

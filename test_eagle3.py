@@ -321,7 +321,6 @@ def test_an_eagle3_head_trains_on_taps_and_decodes_exactly(tmp_path):
         assert out.token_ids == outs[0].token_ids and sum(out.accepted) > 0, method
 
 
-
 def test_the_compiled_step_returns_the_taps():
     """--compile with an EAGLE-3 head: a compiled step returns what Llama.forward does for the
     same taps (the streams entering those layers, and the final hidden for N)."""
