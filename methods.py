@@ -220,11 +220,11 @@ def check_compiler() -> None:
 
 
 def compiled_verifier(target, mc: MethodConfig, proposer, slots: int) -> Compiled:
-    """--compile's target: chain methods (ngram, draft) keep a graph per step size up to their
-    most, tree methods for 1 token and their trees' padded size (docs/RESULTS.md: why)."""
+    """--compile's target: chain methods (ngram, draft) keep graphs of 1, 2, 4, ... tokens and
+    their most; tree methods of 1 token and their trees' padded size (docs/RESULTS.md: why)."""
     most, chains = proposer.max_nodes, mc.method in ("ngram", "draft")
-    return Compiled(target, range(1, most + 1) if chains else (1, most), slots,
-                    getattr(proposer, "taps", ()), trees=not chains)    # taps: EAGLE-3's
+    sizes = {min(1 << i, most) for i in range(most.bit_length() + 1)} if chains else (1, most)
+    return Compiled(target, sizes, slots, getattr(proposer, "taps", ()), trees=not chains)
 
 
 def build_ngram(mc: MethodConfig) -> tuple:

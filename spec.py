@@ -221,7 +221,7 @@ def model_flags(p) -> None:
                         "float16 and float32). A draft only proposes: decoding stays lossless")
     p.add_argument("--compile", action="store_true",
                    help="decode steps as torch.compile graphs of fixed sizes: the target's (1 "
-                        "token, a tree padded to one size, a chain at its own), the draft's, "
+                        "token, trees padded to one size, chains to 1, 2, 4 ...), the draft's, "
                         "Medusa's heads (EAGLE's rounds stay eager); compiled methods write "
                         "compiled ar's text (it may differ from eager's). The first start compiles "
                         "for minutes; --bench also runs every method compiled (METHOD+compile)")

@@ -201,12 +201,16 @@ def test_a_chain_takes_the_least_size_that_holds_it_and_a_tree_the_largest(targe
     assert sizes == [1, 2, 3, TREE, TREE]
 
 
-def test_chain_methods_keep_a_graph_per_size_and_tree_methods_pad(target):
+def test_chain_methods_keep_a_graph_per_power_of_two_and_tree_methods_pad(target):
     from types import SimpleNamespace
     from methods import compiled_verifier, method_config
-    for method, sizes, trees in (("ngram", [1, 2, 3, 4], False), ("eagle2", [1, 4], True)):
-        fast = compiled_verifier(target, method_config(method), SimpleNamespace(max_nodes=4), 64)
-        assert (fast.sizes, fast.trees) == (sizes, trees), method
+    for method, most, sizes, trees in (("ngram", 4, [1, 2, 4], False),
+                                       ("draft", 2, [1, 2], False),
+                                       ("ngram", 6, [1, 2, 4, 6], False),
+                                       ("eagle2", 4, [1, 4], True)):
+        proposer = SimpleNamespace(max_nodes=most)
+        fast = compiled_verifier(target, method_config(method), proposer, 64)
+        assert (fast.sizes, fast.trees) == (sizes, trees), (method, most)
 
 
 def test_a_machine_that_cannot_compile_is_told_in_one_line(capsys):
