@@ -19,7 +19,7 @@ from model import Llama, LlamaConfig, LoadError, RopeScaling
 
 def config_from_hf(hf: dict) -> LlamaConfig:
     """Read a Hugging Face config.json dict; refuse what this model cannot run."""
-    if hf.get("kind") in ("eagle", "medusa"):              # heads.HeadConfig's file
+    if "kind" in hf:                                        # heads.HeadConfig's file
         raise LoadError(f"holds {hf['kind']} heads, not a model: give the folder to --head")
     arch = hf.get("architectures") or ["LlamaForCausalLM"]
     if hf.get("model_type", "llama") != "llama" or arch[0] != "LlamaForCausalLM":

@@ -34,7 +34,8 @@ TREE_DEFAULTS = {"draft": (1, 1, 0), "ngram": (3, 1, 0), "medusa": (4, 1, "auto"
                  "eagle2+ngram": (3, 4, "auto"), "eagle3": (3, 4, "auto")}
 HEAD_KIND = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle", "eagle2+ngram": "eagle",
              "eagle3": "eagle3"}
-# the head kinds a method's kind drafts with: the EAGLE methods take either EAGLE layout
+# the head kinds each method's kind drafts with (the EAGLE methods: either layout); the last is
+# the kind of the head weights/ ships for it
 LAYOUTS = {"medusa": ("medusa",), "eagle": ("eagle", "eagle3"), "eagle3": ("eagle3",)}
 GROWN = ("eagle2", "eagle3")             # EAGLE-2's dynamic tree (eagle3: an EAGLE-3 head's)
 # eagle2+ngram's lookup branch, scaled by the match (2, 4 or 6 tokens after a match of 1, 2 or
@@ -351,16 +352,15 @@ def draft_projection(mc: MethodConfig, target, vocab_ids):
 
 def head_folder(heads, kind: str) -> tuple:
     """-> (folder, its head's kind): the head in `heads` of this kind, else of another of its
-    LAYOUTS (eagle2 and eagle3 rows can so compare two heads), else the one in weights/."""
+    LAYOUTS (eagle2 and eagle3 rows can so compare two heads), else the one in weights/: one
+    EAGLE head is shipped, an EAGLE-3 one, which every EAGLE method drafts with."""
     given = [(f, read_head_config(f).kind) for f in heads]
     chosen = [g for g in given if g[1] == kind] or [g for g in given if g[1] in LAYOUTS[kind]]
     if len(chosen) > 1:
         raise ValueError(f"--head: {' and '.join(f for f, _ in chosen)} all hold heads for "
                          f"{kind}; give one")
-    if not chosen and kind == "eagle3":
-        raise ValueError("--method eagle3: no EAGLE-3 head is shipped yet; give one with --head "
-                         "DIR (a published EAGLE-3 head for this target)")
-    return chosen[0] if chosen else (os.path.join(WEIGHTS, f"smollm2-135m-{kind}"), kind)
+    shipped = LAYOUTS[kind][-1]
+    return chosen[0] if chosen else (os.path.join(WEIGHTS, f"smollm2-135m-{shipped}"), shipped)
 
 
 def check_heads(heads, methods: list) -> None:
@@ -374,7 +374,7 @@ def check_heads(heads, methods: list) -> None:
             raise ValueError(f"--head {folder} holds {kind} heads, which only {users} draft "
                              f"with, and no such method was chosen ({', '.join(methods)})")
     for kind in kinds:
-        head_folder(heads, kind)                        # one head a kind, and one for eagle3
+        head_folder(heads, kind)                        # one head a kind
 
 
 def room(mc: MethodConfig) -> int:

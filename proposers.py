@@ -39,7 +39,7 @@ class SizeRule:
     this machine (costs.py).
 
     A drafted node's probability of being accepted is about exp(its cumulative log-probability)
-    (measured, shipped head, MT-bench: nodes scored 0.3-0.4 were accepted 30% of the time,
+    (measured, an earlier EAGLE head, MT-bench: nodes scored 0.3-0.4 were accepted 30% of the time,
     0.5-0.6 53%, 0.9-1.0 96%), so verifying the n best nodes is expected to yield
     1 + p_1 + ... + p_n tokens. Each step takes the n that maximizes that minus the verify
     pass's price, rate x verify_ms(n + 1 + riders): a millisecond is worth `rate` tokens, the rate the method

@@ -257,14 +257,13 @@ def test_the_command_line_runs_a_published_head_on_the_default_model(default_pat
 
 
 def test_the_command_line_names_what_is_wrong_with_a_head(capsys):
-    """A head of another kind given to eagle3, a missing folder, eagle3 with no head: one
-    `error:` line each, exit 2, before the target loads."""
+    """A head of another kind given to eagle3, a missing folder: one `error:` line each, exit
+    2, before the target loads."""
     import spec
     from default_model import WEIGHTS
-    cases = ((["--head", f"{WEIGHTS}/smollm2-135m-eagle"], "holds eagle heads, which only eagle, "
-              "eagle2, eagle2+ngram draft with"),
-             (["--head", "/nonexistent"], "/nonexistent: no such folder"),
-             ([], "no EAGLE-3 head is shipped yet; give one with --head DIR"))
+    cases = ((["--head", f"{WEIGHTS}/smollm2-135m-medusa"], "holds medusa heads, which only "
+              "medusa draft with"),
+             (["--head", "/nonexistent"], "/nonexistent: no such folder"))
     for flags, want in cases:
         with pytest.raises(SystemExit) as e:
             spec.main(["--method", "eagle3", *flags])
@@ -389,16 +388,78 @@ def test_our_export_loads_strictly_in_specforge_and_drafts_the_same(specforge, n
 def test_export_eagle3_refuses_a_head_of_another_kind(tmp_path):
     from default_model import WEIGHTS
     from export import check_export
-    with pytest.raises(LoadError, match="holds eagle heads; --format eagle3 exports eagle3"):
-        check_export(f"{WEIGHTS}/smollm2-135m-eagle", str(tmp_path / "x"), "eagle3")
+    with pytest.raises(LoadError, match="holds medusa heads; --format eagle3 exports eagle3"):
+        check_export(f"{WEIGHTS}/smollm2-135m-medusa", str(tmp_path / "x"), "eagle3")
 
 
 def test_each_method_takes_a_head_of_its_own_kind_first(tmp_path):
     """Given an EAGLE head and an EAGLE-3 one, eagle2 drafts with the former and eagle3 with the
-    latter (a bench compares them); given the EAGLE-3 head alone, eagle2 takes it."""
+    latter (a bench compares them); given the EAGLE-3 head alone, eagle2 takes it; given none,
+    every EAGLE method takes the shipped EAGLE-3 head."""
     from default_model import WEIGHTS
     from methods import head_folder
-    e3, eagle = write_head(tmp_path / "h"), f"{WEIGHTS}/smollm2-135m-eagle"
+    from test_export import saved_head
+    e3, eagle = write_head(tmp_path / "h"), str(tmp_path / "eagle")
+    saved_head(eagle, tiny_model(3).float())
     assert head_folder([e3, eagle], "eagle") == (eagle, "eagle")
     assert head_folder([e3, eagle], "eagle3") == (e3, "eagle3")
     assert head_folder([e3], "eagle") == (e3, "eagle3")
+    shipped = (f"{WEIGHTS}/smollm2-135m-eagle3", "eagle3")
+    assert head_folder([], "eagle") == head_folder([], "eagle3") == shipped
+
+
+# held-out text for the shipped head's bar: prompts written here, none from its training data
+HELD_OUT = ["Write a short email asking a colleague to move Friday's meeting to Monday.",
+            "What are three differences between a virus and a bacterium?",
+            "Write a Python function that returns the n-th Fibonacci number.",
+            "A train leaves at 9:40 and arrives at 13:15. How long is the trip?",
+            "Describe a quiet morning in a small fishing village.",
+            "Give me some tips for learning to play the guitar as an adult.",
+            "Summarize the causes of the French Revolution in a paragraph.",
+            "You are a museum guide. Welcome a group of children to the dinosaur hall."]
+
+
+@pytest.mark.slow
+def test_the_shipped_head_loads_in_specforge_and_drafts_the_targets_next_token(
+        specforge, no_dynamo, default_path, tmp_path):
+    """Issue 53's bar: SpecForge's class loads `export --format eagle3` of the shipped head,
+    no key unexpected and none missing but embed_tokens (the published format's 15 tensors:
+    SpecForge's own export for SGLang drops it, every engine embeds with the target's); fed the
+    taps transformers' LlamaForCausalLM computes for the default model on held-out text (its own
+    greedy answers to the prompts above), its first-depth top-1 is the target's next token at
+    half the answer positions or more."""
+    import transformers
+    from default_model import WEIGHTS
+    from export import export_head
+    from tokenizer import load_tokenizer
+    target, tok = load_model(default_path, torch.float32, "cpu"), load_tokenizer(default_path)
+    export_head(f"{WEIGHTS}/smollm2-135m-eagle3", target, str(tmp_path / "e3"), "eagle3")
+    cfg = transformers.LlamaConfig.from_pretrained(tmp_path / "e3")
+    ref = specforge(cfg).float().eval()
+    missing, extra = ref.load_state_dict(load_file(tmp_path / "e3" / "model.safetensors"),
+                                         strict=False)
+    assert missing == ["embed_tokens.weight"] and not extra, (missing, extra)
+    ref.embed_tokens.weight.data.copy_(target.embed.weight)
+    N = target.config.num_layers
+    assert "eagle_config" not in cfg.to_dict()       # the engines' default taps, as hidden_states:
+    taps = (2, N // 2, N - 3)
+    hf = transformers.LlamaForCausalLM.from_pretrained(default_path, dtype=torch.float32).eval()
+    agree = total = 0
+    with torch.no_grad():
+        for prompt in HELD_OUT:
+            ids = tok.chat_prompt(prompt)
+            answer = generate_ar(target, ids, GenConfig(48), tok.stop_ids).token_ids
+            seq = torch.tensor([ids + answer])                   # (1, L)
+            L, P = seq.shape[1], len(ids)
+            out = hf(seq, output_hidden_states=True)
+            following = out.logits[0].argmax(-1)                  # (L,) the target's next token
+            fused = ref.project_hidden_states(torch.cat([out.hidden_states[i] for i in taps], -1))
+            g = ref.backbone(ref.embed_input_ids(seq[:, 1:]), fused[:, :-1], None, None,
+                             torch.arange(L - 1)[None])
+            top = ref.compute_logits(g)[0].argmax(-1)             # (L - 1,) draft ids
+            # at i, from token i's taps and token i + 1's embedding: the token after i + 1; the
+            # first at the prompt's next-to-last token, whose next but one is the answer's first
+            drafted = (top + ref.d2t[top])[P - 2:]
+            agree += int((drafted == following[P - 1:]).sum())
+            total += len(drafted)
+    assert agree >= total / 2, f"first-depth top-1 {agree / total:.3f} of {total} positions"

@@ -463,9 +463,8 @@ SHORT = "What is the capital of France?"          # an answer that ends inside t
 # short answer, 128 tokens, in both dtypes; docs/RESULTS.md names the commit where it last
 # passed).
 FULL = os.environ.get("SPEC_FULL") == "1"
-METHODS = ["draft", "ngram", "medusa", "eagle", "eagle2", "eagle2+ngram"]
-# the methods whose trees --tree-size shapes (eagle3, which has no head shipped yet: test_eagle3)
-HEADS = [m for m in HEAD_KIND if m != "eagle3"]
+METHODS = ["draft", "ngram", "medusa", "eagle", "eagle2", "eagle2+ngram", "eagle3"]
+HEADS = list(HEAD_KIND)                 # the methods whose trees --tree-size shapes
 
 
 @pytest.fixture(scope="module")
@@ -563,7 +562,7 @@ def test_every_method_reproduces_plain_decoding_on_the_default_model(runs, flags
             if how:
                 cuts[how] += 1
     mean = {m: sum(t) / len(t) for m, t in taus.items()}
-    trained = [mean[m] for m in ("draft", "medusa", "eagle", "eagle2")]
+    trained = [mean[m] for m in ("draft", "medusa", "eagle", "eagle2", "eagle3")]
     assert min(trained) > 1.15, f"mean tau per method: {mean}"
     assert cuts["limit"] and (cuts["end of turn"] or SHORT not in prompts), \
         f"runs ending inside an accepted chunk: {cuts}"

@@ -206,8 +206,8 @@ def test_head_folders_go_to_the_methods_of_their_kind(capsys):
     from default_model import WEIGHTS
     from methods import head_folder
     from spec import main
-    eagle, medusa = f"{WEIGHTS}/smollm2-135m-eagle", f"{WEIGHTS}/smollm2-135m-medusa"
-    assert head_folder([medusa, eagle], "eagle") == (eagle, "eagle")
+    eagle, medusa = f"{WEIGHTS}/smollm2-135m-eagle3", f"{WEIGHTS}/smollm2-135m-medusa"
+    assert head_folder([medusa, eagle], "eagle") == (eagle, "eagle3")
     assert head_folder([medusa, eagle], "medusa") == (medusa, "medusa")
     assert head_folder([eagle], "medusa") == (medusa, "medusa")   # not given: the shipped one
     with pytest.raises(ValueError, match="all hold heads for eagle"):
@@ -215,7 +215,7 @@ def test_head_folders_go_to_the_methods_of_their_kind(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--method", "medusa", "--head", eagle, "--max-new-tokens", "2"])
     assert e.value.code == 2
-    assert "holds eagle heads, which only eagle, eagle2, eagle2+ngram draft with" in \
+    assert "holds eagle3 heads, which only eagle, eagle2, eagle2+ngram, eagle3 draft with" in \
         capsys.readouterr().err
 
 
@@ -225,8 +225,8 @@ def test_a_head_given_as_draft_and_a_draft_given_as_head_are_named(tmp_path, cap
     from methods import check_draft_folder
     from default_model import WEIGHTS
     from spec import main
-    with pytest.raises(LoadError, match="holds eagle heads, not a draft model"):
-        check_draft_folder(f"{WEIGHTS}/smollm2-135m-eagle")
+    with pytest.raises(LoadError, match="holds eagle3 heads, not a draft model"):
+        check_draft_folder(f"{WEIGHTS}/smollm2-135m-eagle3")
     with pytest.raises(SystemExit) as e:
         main(["--method", "eagle2", "--head", f"{WEIGHTS}/smollm2-135m-draft"])
     assert e.value.code == 2

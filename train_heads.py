@@ -1,6 +1,6 @@
 """Train draft heads (EAGLE, Medusa) and a distilled draft model on the target's own outputs.
 
-    python train_heads.py --method eagle --data prompts.jsonl --out weights/smollm2-135m-eagle
+    python train_heads.py --method eagle3 --data prompts.jsonl --out my-eagle3
     python train_heads.py --method draft --data prompts.jsonl --out my-draft   # a HF Llama folder
 
 Two stages, both resumable:
