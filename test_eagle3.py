@@ -408,10 +408,11 @@ def test_each_method_takes_a_head_of_its_own_kind_first(tmp_path):
     assert head_folder([], "eagle") == head_folder([], "eagle3") == shipped
 
 
-# held-out text for the shipped head's bar: prompts written here, none from its training data
+# held-out text for the shipped head's bar: prompts written here, none sharing the wording of a
+# prompt it trained on (prompts.jsonl, searched)
 HELD_OUT = ["Write a short email asking a colleague to move Friday's meeting to Monday.",
             "What are three differences between a virus and a bacterium?",
-            "Write a Python function that returns the n-th Fibonacci number.",
+            "Write a shell command that counts the lines in every .txt file in a folder.",
             "A train leaves at 9:40 and arrives at 13:15. How long is the trip?",
             "Describe a quiet morning in a small fishing village.",
             "Give me some tips for learning to play the guitar as an adult.",
