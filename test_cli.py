@@ -287,3 +287,20 @@ def test_json_file_of_a_run_is_written_whole(tmp_path, monkeypatch, capsys):
     assert sorted(os.listdir(tmp_path)) == ["r.json"]
     captured = capsys.readouterr()
     assert captured.out == "" and "[ar] 1 tokens" in captured.err
+
+
+def test_the_repository_root_holds_only_the_projects_own_files():
+    """A stray committed or left beside the code (a coverage file, a run's --json report named
+    like a prompt) fails here: the root holds the code, its docs and a few named files."""
+    import fnmatch
+    import subprocess
+    root = os.path.dirname(os.path.abspath(__file__))
+    if not os.path.isdir(os.path.join(root, ".git")):
+        pytest.skip("not a git checkout")
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            cwd=root, capture_output=True, text=True, check=True).stdout.split("\0")
+    allowed = ("*.py", "*.md", ".gitignore", "pytest.ini", "requirements.txt", "gpu_check.sh",
+               ".ci/*", "docs/*", "weights/*")
+    strays = [f for f in listed if f and os.path.exists(os.path.join(root, f))
+              and not any(fnmatch.fnmatch(f, pattern) for pattern in allowed)]
+    assert not strays, f"files that are not the project's at its root: {strays}"
