@@ -24,12 +24,16 @@ from quantize import convert, load_quantized, quantize
 from tokenizer import load_tokenizer
 from tree import static_tree
 
-METHODS = ["ar", "draft", "ngram", "medusa", "eagle", "eagle2", "eagle2+ngram", "eagle3"]
+METHODS = ["ar", "draft", "draft-chain", "ngram", "medusa", "eagle", "eagle2", "eagle2+ngram",
+           "eagle3"]
+PARALLEL_DEPTH = 4                     # a parallel draft's block (docs/RESULTS.md)
 # (depth, top-k, tree size) per method, measured (docs/RESULTS.md): auto beat every fixed tree
 # size tried for the head methods; with 5-node trees a 4th EAGLE-2 round rarely pays; ngram's 3
 # is its most tokens (a match of n of ngram_max tokens drafts n / ngram_max of them); the
 # distilled draft's second token is accepted in 9% of steps, for a forward of its own each
-TREE_DEFAULTS = {"draft": (1, 1, 0), "ngram": (3, 1, 0), "medusa": (4, 1, "auto"),
+# (draft-chain); a parallel draft drafts its block in one forward
+TREE_DEFAULTS = {"draft": (PARALLEL_DEPTH, 1, 0), "draft-chain": (1, 1, 0), "ngram": (3, 1, 0),
+                 "medusa": (4, 1, "auto"),
                  "eagle": (5, 1, "auto"), "eagle2": (3, 4, "auto"),
                  "eagle2+ngram": (3, 4, "auto"), "eagle3": (3, 4, "auto")}
 HEAD_KIND = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle", "eagle2+ngram": "eagle",
@@ -188,7 +192,7 @@ def build_proposer(mc: MethodConfig, path: str, target, tokenizer, slots: int) -
     shipped draft takes its embeddings from it); slots: the caches' size."""
     if mc.method == "ngram":
         return build_ngram(mc)
-    if mc.method == "draft":
+    if mc.method in ("draft", "draft-chain"):
         return build_draft(mc, path, target, tokenizer, slots)
     if mc.method == "eagle2+ngram":
         return build_lookup_eagle(mc, target, slots)
@@ -223,7 +227,7 @@ def check_compiler() -> None:
 def compiled_verifier(target, mc: MethodConfig, proposer, slots: int) -> Compiled:
     """--compile's target: chain methods (ngram, draft) keep graphs of 1, 2, 4, ... tokens and
     their most; tree methods of 1 token and their trees' padded size (docs/RESULTS.md: why)."""
-    most, chains = proposer.max_nodes, mc.method in ("ngram", "draft")
+    most, chains = proposer.max_nodes, mc.method in ("ngram", "draft", "draft-chain")
     sizes = {min(1 << i, most) for i in range(most.bit_length() + 1)} if chains else (1, most)
     return Compiled(target, sizes, slots, getattr(proposer, "taps", ()), trees=not chains)
 
@@ -237,9 +241,12 @@ def build_ngram(mc: MethodConfig) -> tuple:
 
 def build_draft(mc: MethodConfig, path: str, target, tokenizer, slots: int) -> tuple:
     """A smaller Llama with the target's tokenizer; greedy drafts over its folder's reduced
-    vocabulary (draft_vocab.json) where it has one."""
+    vocabulary (draft_vocab.json) where it has one; `draft` drafts its block in one forward
+    where its config.json names a mask token (pard_token: a parallel draft), draft-chain a
+    forward a token."""
     folder = mc.draft or os.path.join(WEIGHTS, "smollm2-135m-draft")
-    check_draft_folder(folder)
+    mask_id = check_draft_folder(folder, target.config.vocab_size)
+    mask_id = mask_id if mc.method == "draft" else None
     why = tokenizer.same_as(load_tokenizer(folder))
     if why:
         raise ValueError(f"draft and target tokenizers differ: {why}. A draft must share the "
@@ -251,26 +258,34 @@ def build_draft(mc: MethodConfig, path: str, target, tokenizer, slots: int) -> t
     draft = quantize(draft, draft_form(mc, draft), rows=False)  # the target's shared: skipped
     vocab = load_draft_vocab(folder, target.config.vocab_size)
     proj = None if vocab is None else draft_projection(mc, target, vocab)
-    # compiled: its steps of 1 token and of 2 (the root after a chain accepted whole)
-    fast = (Compiled(draft, (1, 2), slots, project=False).warm_up("the draft model")
+    # compiled: a chain's steps of 1 token and of 2 (the root after a chain accepted whole);
+    # a parallel one's of the root and its masks, after up to a whole block accepted
+    sizes = (1, 2) if mask_id is None else (mc.depth, 2 * mc.depth)
+    fast = (Compiled(draft, sizes, slots, project=False).warm_up("the draft model")
             if mc.compile else draft)
-    proposer = DraftModelProposer(fast, mc.depth, slots, vocab, proj)
+    proposer = DraftModelProposer(fast, mc.depth, slots, vocab, proj, mask_id)
     extra = sum(t.numel() * t.element_size() for t in [*draft.parameters(), *draft.buffers()]
                 if id(t) not in own) + module_bytes(proposer.proj)
     if vocab is not None:
         folder += f" (greedy drafts over {len(vocab):,} tokens)"
-    return proposer, {"draft": folder, "draft_params": params,
+    return proposer, {"draft": folder, "draft_params": params, "parallel": mask_id is not None,
                       "draft_memory_mb": round(extra / 2**20, 1)}
 
 
-def check_draft_folder(folder: str) -> None:
-    """A clear error for a folder that is no draft model (a head's folder, say)."""
+def check_draft_folder(folder: str, vocab_size: int | None = None):
+    """A clear error for a folder that is no draft model (a head's folder, say) -> its mask
+    token (pard_token) where it is a parallel draft, else None."""
     if not os.path.isfile(f"{folder}/model.safetensors"):
         raise LoadError(f"{folder}: no model.safetensors; is this a draft folder?")
     config = read_json(f"{folder}/config.json", "the draft's config")
     if "kind" in config:                    # a head folder of train_heads.py
         raise LoadError(f"{folder} holds {config['kind']} heads, not a draft model (a HF "
                         f"Llama folder); heads go to --head")
+    mask = config.get("pard_token")
+    if mask is not None and not (type(mask) is int and 0 <= mask < (vocab_size or mask + 1)):
+        raise LoadError(f"{folder}/config.json: pard_token {mask!r} is no token id of the "
+                        f"target's vocabulary")
+    return mask
 
 
 def build_lookup_eagle(mc: MethodConfig, target, slots: int) -> tuple:
@@ -393,7 +408,8 @@ def describe(mc: MethodConfig, info: dict) -> str:
                             "full match)",
             "ngram": f"chain of <= {mc.depth}, by match",
             "eagle2": f"{shape}, {nodes}", "eagle3": f"{shape}, {nodes}",
-            "medusa": f"{size}-node tree", "eagle": f"{size}-node tree"}.get(
+            "medusa": f"{size}-node tree", "eagle": f"{size}-node tree",
+            "draft": f"chain of {mc.depth}" + ", one forward" * info.get("parallel", False)}.get(
         mc.method, f"chain of {mc.depth}")
 
 

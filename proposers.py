@@ -119,19 +119,28 @@ class DraftModelProposer:
     its own greedy tokens, or, when sampling, draws from its own distributions q, which
     Leviathan's rule then verifies.
 
-    Its KV cache holds the committed tokens; tokens the target accepted that the draft never fed
-    itself (the last of a chain accepted whole) wait in `pending` and go in with the next
-    proposal."""
+    A parallel draft (PARD, An et al. 2025; `mask_id` given) drafts the whole chain in ONE
+    forward: after the root it reads depth - 1 mask tokens at the next positions, and the
+    output at the root and at each mask is its guess of the token 1, 2, ... places ahead. Each
+    token is drawn from its own q without seeing the drafts before it, which Leviathan's rule
+    allows (q may be any function of the context). The masks' cache entries are dropped after.
 
-    def __init__(self, model: Llama, depth: int, slots: int, vocab_ids=None, proj=None):
+    Its KV cache holds the committed tokens; tokens the target accepted that the draft never fed
+    itself (the last of a chain accepted whole; every accepted one of a parallel chain) wait in
+    `pending` and go in with the next proposal."""
+
+    def __init__(self, model: Llama, depth: int, slots: int, vocab_ids=None, proj=None,
+                 mask_id: int | None = None):
         """slots: the draft cache's size (the committed tokens plus a chain). vocab_ids (R,):
         greedy drafts choose among these target ids only, projecting onto R of the lm_head's V
         rows (on a small draft the projection is most of a forward's cost) with `proj` (a module
         C -> R; default heads.projection of the draft); None: all V. A sampled chain always
-        draws from the whole distribution."""
+        draws from the whole distribution. mask_id: the token a parallel draft reads in place
+        of the tokens it drafts (None: a chain, a forward a token)."""
         if depth < 1:
             raise ValueError(f"a draft chain needs at least 1 token, got {depth}")
-        self.model, self.depth, self.slots = model, depth, slots
+        self.model, self.depth, self.slots, self.mask_id = model, depth, slots, mask_id
+        self.fed = 1 if mask_id is not None else depth   # chain tokens a proposal leaves fed
         self.device = model.embed.weight.device
         self.max_nodes = depth + 1                   # verified nodes per step, root included
         self.vocab_ids = None if vocab_ids is None else vocab_ids.cpu()
@@ -146,36 +155,42 @@ class DraftModelProposer:
         self.cache = self.model.new_cache(1, self.slots)
         self.pending = list(prompt_ids)
 
-    def next_logits(self, ids: list, full: bool) -> torch.Tensor:
-        """Feed ids causally into the draft's cache -> the last one's (V,) logits, or (R,) over
-        the reduced vocabulary where there is one, unless full."""
+    def next_logits(self, ids: list, full: bool, rows: int = 1) -> torch.Tensor:
+        """Feed ids causally into the draft's cache -> the last `rows` ones' (rows, V) logits,
+        or (rows, R) over the reduced vocabulary where there is one, unless full."""
         start = self.cache.length
         tokens = torch.tensor([ids], device=self.device)                       # (1, T)
         pos = torch.arange(start, start + len(ids), device=self.device)[None]
         _, hidden = self.model(tokens, pos, self.cache, project=False)         # (1, T, C)
         head = self.model.lm_head if self.vocab_ids is None or full else self.proj
-        return head(hidden[0, -1:])[0]
+        return head(hidden[0, -rows:])
 
     def propose(self, root: int, gen, generator) -> tuple:
         sampled = gen.temperature > 0
         self.base = self.cache.length
         ids, tokens, qs = self.pending + [root], [], []
-        for _ in range(self.depth):                  # feeds all but the last drafted token
-            logits = self.next_logits(ids, full=sampled)
+        if self.mask_id is not None:                 # one forward: the root, then the masks
+            logits = self.next_logits(ids + [self.mask_id] * (self.depth - 1), sampled,
+                                      self.depth)                              # (depth, V or R)
+            self.cache.length = self.base + len(ids)           # the masks' entries dropped
+        for j in range(self.depth):                  # a chain feeds all but the last token
+            if self.mask_id is None:
+                logits = self.next_logits(ids, full=sampled)                   # (1, V or R)
+            row = logits[j if self.mask_id is not None else 0]
             if sampled:
-                qs.append(target_probs(logits, gen.temperature, gen.top_p))        # (V,)
+                qs.append(target_probs(row, gen.temperature, gen.top_p))           # (V,)
                 token = int(sample(qs[-1], generator))
             else:
-                best = int(logits.argmax())
+                best = int(row.argmax())
                 token = best if self.vocab_ids is None else int(self.vocab_ids[best])
             tokens.append(token)
             ids = [token]
         return chain(root, tokens), torch.stack(qs) if sampled else None      # q (J, V)
 
     def commit(self, tree: Tree, accepted: torch.Tensor, hidden=None) -> None:
-        """Keep the pending tokens, the root and the accepted drafts the draft fed; a chain
-        accepted whole leaves its last token pending."""
-        fed = min(len(accepted), self.depth)         # the root and up to depth - 1 drafts
+        """Keep the pending tokens, the root and the accepted drafts the draft fed; those it did
+        not feed (a chain's last, a parallel chain's all) wait for the next proposal."""
+        fed = min(len(accepted), self.fed)           # the root and up to fed - 1 drafts
         self.cache.keep(self.base, torch.arange(len(self.pending) + fed))
         self.pending = tree.tokens[accepted[fed:].cpu()].tolist()
 

@@ -160,7 +160,9 @@ def parse_args(argv=None):
 def decoding_flags(p) -> None:
     """What to decode and how: the method, the prompt, sampling, what is shown."""
     p.add_argument("--method", choices=METHODS,
-                   help="decoding method: ar = plain decoding, draft = draft-model speculation, "
+                   help="decoding method: ar = plain decoding, draft = draft-model speculation "
+                        "(a parallel draft's block in one forward), draft-chain = the same draft "
+                        "a forward a token, "
                         "ngram = prompt lookup (the continuation of an earlier match), medusa = "
                         "Medusa heads, eagle = EAGLE head with a static tree, eagle2 = EAGLE head "
                         "with EAGLE-2's dynamic tree, eagle2+ngram = that tree plus the prompt "
@@ -350,7 +352,7 @@ def check_together(p, args) -> None:
                                                                       "eagle3"]),
                                  ("--tree-size", args.tree_size, list(HEAD_KIND)),
                                  ("--ngram-max", args.ngram_max, ["ngram", "eagle2+ngram"]),
-                                 ("--draft", args.draft, ["draft"])):
+                                 ("--draft", args.draft, ["draft", "draft-chain"])):
         if value is not None and method not in methods:     # else silently without effect
             p.error(f"{flag} does not apply to --method {method}; it shapes "
                     f"{', '.join(methods)}")

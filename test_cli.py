@@ -38,6 +38,7 @@ def folders(tmp_path_factory):
         "bad tokenizer": broken("badtok", "tokenizer.json", lambda f: f.write_text("{oops")),
         "no tokenizer": broken("notok", "tokenizer.json", os.remove),
         "bad config": broken("badcfg", "config.json", lambda f: f.write_text('{"x": 1')),
+        "bad mask": broken("badmask", "config.json", lambda f: edit_json(f, pard_token=99999)),
         "gpt2": broken("gpt2", "config.json", lambda f: edit_json(
             f, architectures=["GPT2LMHeadModel"], model_type="gpt2")),
         "yarn": broken("yarn", "config.json", lambda f: edit_json(
@@ -111,6 +112,8 @@ SPEC_CASES = [
     (["--model", "{no tokenizer}"], "no tokenizer.json or original/tokenizer.model"),
     (["--model", "{good}", "--method", "draft", "--draft", "{cut weights}"],
      "cannot read {cut weights}/model.safetensors (truncated or corrupt?)"),
+    (["--model", "{good}", "--method", "draft", "--draft", "{bad mask}"],
+     "{bad mask}/config.json: pard_token 99999 is no token id of the target's vocabulary"),
     (["--model", "{good}", "--method", "draft", "--draft", f"{WEIGHTS}/smollm2-135m-eagle3"],
      "holds eagle3 heads, not a draft model"),
     (["--model", "{good}", "--method", "eagle2", "--head", f"{WEIGHTS}/smollm2-135m-draft"],
@@ -131,6 +134,9 @@ TRAIN_CASES = [
     (["--init", "/nonexistent"], "/nonexistent: no such folder"),
     (["--init", f"{WEIGHTS}/smollm2-135m-medusa"], "holds medusa heads; --method eagle"),
     (["--wise", "0.5"], "--wise 0.5: a weight in [0, 1] between an --init head"),
+    (["--parallel", "4"], "--parallel 4: only a draft model (--method draft) drafts a block"),
+    (["--parallel", "0"], "--parallel must be > 0"),
+    (["--method", "draft", "--init", f"{WEIGHTS}/smollm2-135m-eagle3"], "holds eagle3 heads, not a"),
     (["--out", "/proc/x"], "--out /proc/x: cannot write there"),
     (["--data", "/nonexistent.jsonl"], "/nonexistent.jsonl"),
     (["--data", "{a file}"], "config.json:1: not JSON"),

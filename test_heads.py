@@ -12,7 +12,7 @@ import torch
 import features
 import training
 
-from checkpoint import load_head
+from checkpoint import load_head, load_model
 from heads import EagleHead, HeadConfig, MedusaHeads, best_paths, eagle_layer_config
 from model import LoadError
 from proposers import DraftConfig, DraftModelProposer, EagleProposer, MedusaProposer
@@ -632,6 +632,123 @@ def test_hf_names_round_trip_to_the_checkpoint(tmp_path, case):
     assert set(back) == set(saved)
     for name, t in saved.items():
         assert torch.equal(back[name].float(), t.float()), name
+
+
+MASK = 60                                    # the tiny models' mask token (their last id)
+
+
+def test_a_parallel_draft_drafts_its_block_in_one_forward_and_stays_lossless():
+    target, draft = tiny_model(3), tiny_model(4, num_layers=1)
+    V = target.config.vocab_size
+    vocab = torch.randperm(V, generator=torch.Generator().manual_seed(1))[:V // 3].sort().values
+    prompt, root = [5, 9, 3], 11
+    ids = torch.tensor([prompt + [root] + [MASK] * 3])       # oracle: one causal forward
+    logits = draft(ids, torch.arange(7)[None], draft.new_cache(1, 32))[0][0, -4:]   # (4, V)
+    calls = []
+    draft.register_forward_hook(lambda *a: calls.append(1))
+    for ids_, want in [(None, logits.argmax(-1)), (vocab, vocab[logits[:, vocab].argmax(-1)])]:
+        proposer = DraftModelProposer(draft, 4, 256, ids_, mask_id=MASK)
+        proposer.start(prompt)
+        calls.clear()
+        tree, q = proposer.propose(root, GenConfig(8), None)
+        assert tree.tokens.tolist() == [root] + want.tolist() and q is None
+        assert len(calls) == 1, f"{len(calls)} draft forwards for a block of 4"
+        assert proposer.cache.length == 4, "the masks' entries stayed in the draft's cache"
+    sampled = DraftModelProposer(draft, 4, 256, vocab, mask_id=MASK)
+    sampled.start(prompt)
+    _, q = sampled.propose(root, GenConfig(8, temperature=0.7), torch.Generator().manual_seed(0))
+    assert torch.allclose(q.double(), (logits / 0.7).softmax(-1), atol=1e-6), \
+        "q is not what each token was drawn from"
+    for depth, v in [(4, None), (2, vocab), (3, vocab)]:
+        proposer = DraftModelProposer(draft, depth, 256, v, mask_id=MASK)
+        out = generate_spec(target, proposer, prompt, GenConfig(30))
+        assert out.token_ids == generate_ar(target, prompt, GenConfig(30)).token_ids, depth
+    gen = GenConfig(30, temperature=0.8, top_p=0.9, seed=5)           # Leviathan's rule
+    runs = [generate_spec(target, DraftModelProposer(draft, 3, 256, mask_id=MASK), prompt,
+                          gen).token_ids for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 30
+
+
+def test_pard_training_rows_see_what_the_masks_see_at_inference():
+    # each training block of masks after anchor a must compute what a parallel draft computes
+    # after a root at a: the same attention, positions and so the same features
+    draft = tiny_model(4, num_layers=2)
+    C = draft.config.hidden_size
+    seqs = [features.Seq(torch.randint(1, 60, (n,), generator=torch.Generator().manual_seed(n)),
+                         torch.randn(n - 1, C, dtype=torch.float64), p)
+            for n, p in [(17, 5), (12, 3), (9, 8)]]
+    k = 4
+    tokens, positions, mask, feats, loss = training.pard_batch(seqs, k, MASK)
+    hidden = training.draft_hidden(draft, tokens, positions, mask)          # (B, T, C)
+    L = max(len(s.hidden) for s in seqs)
+    blocks = 0
+    for r, s in enumerate(seqs):
+        n = len(s.hidden)
+        assert loss[r, :L].sum() == n - s.prompt_len + 1, "the tokens' own loss rows moved"
+        for m in range(L, tokens.shape[1], k - 1):
+            a = int(positions[r, m]) - 1                                   # the block's anchor
+            if not loss[r, m]:
+                continue
+            blocks += 1
+            assert s.prompt_len - 1 <= a < n - 1, f"anchor {a} outside the answer"
+            ids = torch.cat([s.tokens[:a + 1], torch.full((k - 1,), MASK)])[None]
+            want = training.draft_hidden(draft, ids)[0, a + 1:]                # (k - 1, C)
+            got = hidden[r, m:m + k - 1]
+            rows = loss[r, m:m + k - 1]
+            assert torch.allclose(got[rows], want[rows], atol=1e-10), (r, a)
+            assert rows.tolist() == [a + 1 + j < n for j in range(k - 1)], "a mask past the end"
+            v = int(rows.sum())               # mask j learns the target's feature at a + 1 + j
+            assert torch.equal(feats[r, m:m + v], s.hidden[a + 1:a + 1 + v].float())
+    assert blocks >= 4, f"only {blocks} blocks of masks drawn"
+
+
+def test_a_folder_naming_a_mask_token_drafts_blocks_under_draft_and_chains_under_draft_chain(
+        tmp_path, capsys):
+    import shutil
+    import spec
+    from test_cli import TOKENIZER
+    from test_spec import hf_checkpoint
+    for name in ("target", "draft"):
+        hf_checkpoint(tmp_path / name, vocab_size=49152)
+        shutil.copy(TOKENIZER, tmp_path / name / "tokenizer.json")
+    config = json.loads((tmp_path / "draft" / "config.json").read_text())
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(config | {"pard_token": 16}))
+    runs = {}
+    for method in ("ar", "draft", "draft-chain"):
+        spec.main(["--model", str(tmp_path / "target"), "--method", method, "--raw", "--prompt",
+                   "a b c", "--max-new-tokens", "12", "--json"] +
+                  ["--draft", str(tmp_path / "draft")] * (method != "ar"))
+        runs[method] = json.loads(capsys.readouterr().out)
+    assert runs["draft"]["parallel"] and not runs["draft-chain"]["parallel"]
+    from methods import PARALLEL_DEPTH
+    assert runs["draft"]["drafted_per_step"] == PARALLEL_DEPTH
+    assert runs["draft-chain"]["drafted_per_step"] == 1
+    assert runs["draft"]["token_ids"] == runs["draft-chain"]["token_ids"] == runs["ar"]["token_ids"]
+
+
+def test_pard_training_teaches_the_masks_and_saves_the_mask_token(tmp_path):
+    from methods import check_draft_folder
+    from train_heads import init_draft, save_draft
+    from test_spec import hf_checkpoint
+    hf_checkpoint(tmp_path / "target", tie_word_embeddings=True)
+    target = load_model(str(tmp_path / "target"), torch.float64).requires_grad_(False)
+    with torch.no_grad():                    # peaky target: something for the draft to learn
+        for p in target.layers.parameters():
+            p.mul_(4.0) if p.dim() == 2 else None
+    rows = [(f"q{i} {'ab' * (i % 5)}", None) for i in range(40)]
+    features.extract_features(target, TinyTokenizer(), rows, str(tmp_path / "f"), 8, 24, 64)
+    seqs = features.load_features(str(tmp_path / "f"))
+    draft = init_draft(target.float(), 1)
+    record = training.train(draft, lambda s: training.draft_loss(draft, s, 3, 96), seqs,
+                            training.TrainConfig(epochs=10, tokens_per_batch=256, lr=3e-3),
+                            str(tmp_path / "ck"))
+    kl, masks = [r[0] for r in record["losses"]], [r[2] for r in record["losses"]]
+    assert sum(kl[-5:]) < 0.7 * sum(kl[:5]), f"KL {kl[:5]} -> {kl[-5:]}"
+    assert sum(masks[-5:]) > sum(masks[:5]), f"mask agreement {masks[:5]} -> {masks[-5:]}"
+    save_draft(draft, str(tmp_path / "target"), str(tmp_path / "out"), pard_token=96)
+    assert check_draft_folder(str(tmp_path / "out"), 97) == 96
+    save_draft(draft, str(tmp_path / "target"), str(tmp_path / "chain"))
+    assert check_draft_folder(str(tmp_path / "chain"), 97) is None
 
 
 def test_distilled_draft_trains_and_saves_a_folder_transformers_loads(tmp_path):

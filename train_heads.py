@@ -36,7 +36,8 @@ from export import FORMATS, check_export, export_draft, export_head
 from features import (draft_vocabulary, extract_features, load_features, make_batch,
                       read_conversations, templated_prompts)
 from heads import HeadConfig, build_head, eagle3_taps, eagle_layer_config, projection_rows
-from methods import DRAFT_VOCAB, parse_flags
+from methods import (DRAFT_VOCAB, check_draft_folder, load_draft_vocab, parse_flags,
+                     share_embeddings)
 from model import Llama, LlamaConfig
 from proposers import DraftModelProposer
 from tokenizer import load_tokenizer
@@ -90,14 +91,19 @@ def shape_flags(p) -> None:
     p.add_argument("--heads", type=int, default=4, help="Medusa: number of heads")
     p.add_argument("--layers", type=int, default=4,
                    help="draft: decoder layers, started from evenly spaced target layers")
+    p.add_argument("--parallel", type=int, default=1, metavar="K",
+                   help="draft: train it to draft K tokens in one forward (PARD: mask tokens "
+                        "after the last token; spec.py --method draft then drafts so); 1: a "
+                        "chain, a forward a token")
     p.add_argument("--without-embeddings", action="store_true",
                    help="draft: leave the (frozen, target-equal) embedding matrix out of the "
                         "saved folder; spec.py rebuilds it from the target at first use. This "
                         "is how the shipped draft is stored")
     p.add_argument("--init", metavar="FOLDER",
-                   help="EAGLE, Medusa: start from the head in FOLDER (this script's), e.g. a "
-                        "shipped head, to train it on; its shape and draft vocabulary are kept "
-                        "(--draft-vocab and --heads then do not apply)")
+                   help="start from the head (EAGLE, Medusa) or draft model in FOLDER (this "
+                        "script's), e.g. a shipped one, to train it on; its shape and draft "
+                        "vocabulary are kept (--draft-vocab, --heads and --layers then do not "
+                        "apply)")
     p.add_argument("--wise", type=float, default=1.0, metavar="ALPHA",
                    help="EAGLE, Medusa with --init: keep ALPHA of the way from the --init head to "
                         "the trained one, weight by weight (WiSE-FT; 1: as trained), before the "
@@ -123,7 +129,7 @@ def check_ranges(p, args) -> None:
     """Out-of-range numbers are named before any loading, not after minutes of extraction
     (or silently: --epochs 0 used to run a step)."""
     positive = ("epochs", "lr", "batch", "max_new_tokens", "max_prompt_tokens", "draft_vocab",
-                "heads", "layers", "tokens_per_batch")
+                "heads", "layers", "tokens_per_batch", "parallel")
     at_least_0 = ("minutes", "limit", "held_out", "tau_prompts")
     for name in positive + at_least_0:
         value = getattr(args, name)
@@ -188,12 +194,15 @@ def main(argv=None):
 
 
 def train_command(args) -> None:
-    if args.init and args.method == "draft":
-        raise ValueError("--init continues an EAGLE or Medusa head; it does not apply to --method draft")
+    if args.parallel > 1 and args.method != "draft":
+        raise ValueError(f"--parallel {args.parallel}: only a draft model (--method draft) "
+                         "drafts a block a forward")
     if not 0 <= args.wise <= 1 or (args.wise < 1 and not args.init):
         raise ValueError(f"--wise {args.wise}: a weight in [0, 1] between an --init head and "
                          "the one trained from it; it needs --init")
-    if args.init:                # read now, not after an hour of self-distillation
+    if args.init and args.method == "draft":         # read now, as a head's below
+        check_draft_folder(args.init)
+    elif args.init:              # read now, not after an hour of self-distillation
         init = read_head_config(args.init)
         if init.kind != args.method:
             raise ValueError(f"--init {args.init} holds {init.kind} heads; --method "
@@ -362,12 +371,12 @@ def save_head(head: nn.Module, config: HeadConfig, folder: str, info: dict | Non
 
 
 def save_draft(draft, target_folder: str, out: str, info: dict | None = None,
-               embeddings: bool = True, vocab_ids=None) -> None:
+               embeddings: bool = True, vocab_ids=None, pard_token=None) -> None:
     """A standard HF Llama folder: config.json (the target's, fewer layers), model.safetensors
     (16-bit), the target's tokenizer files; written atomically. embeddings=False leaves the
     embedding matrix out (the shipped copy: load_model's embeddings_from takes the target's).
     vocab_ids (R,): the reduced vocabulary greedy drafts choose from, in draft_vocab.json (other
-    tools ignore it)."""
+    tools ignore it). pard_token: the mask token of a parallel draft, in config.json."""
     c = draft.config
     tensors = to_hf_names({k: v.detach().cpu() for k, v in draft.state_dict().items()}, c)
     if not embeddings:
@@ -378,7 +387,8 @@ def save_draft(draft, target_folder: str, out: str, info: dict | None = None,
                  {"format": "pt"})
     hf = read_json(f"{target_folder}/config.json", "config.json")
     write_json(f"{out}/config.json", hf | {"num_hidden_layers": c.num_layers,
-                                            "torch_dtype": "bfloat16"})
+                                            "torch_dtype": "bfloat16"} |
+               ({"pard_token": pard_token} if pard_token is not None else {}))
     for name in TOKENIZER_FILES:
         if os.path.isfile(f"{target_folder}/{name}"):
             shutil.copyfile(f"{target_folder}/{name}", f"{out}/{name}")
@@ -389,24 +399,46 @@ def save_draft(draft, target_folder: str, out: str, info: dict | None = None,
 
 
 def train_draft(args, tc, target, model_path, train_seqs, held, tokenizer, info) -> dict:
-    """The distilled draft: KL to the target from its cached features; a standard HF folder."""
-    draft = init_draft(target, args.layers)
-    vocab = draft_vocabulary(train_seqs, args.draft_vocab, tokenizer.stop_ids)
-    record = train(draft, lambda seqs: draft_loss(draft, seqs), train_seqs, tc, args.out)
+    """The distilled draft: KL to the target from its cached features; a standard HF folder.
+    With --parallel K > 1 it learns PARD's mask positions too, and its config.json names the
+    mask token (`pard_token`, as vLLM reads it)."""
+    if args.init:                       # its blocks trained on; the target's embedding shared
+        draft = share_embeddings(load_model(args.init, torch.float32, args.device,
+                                            embeddings_from=model_path), target)
+        draft.layers.requires_grad_(True), draft.norm.requires_grad_(True)
+        vocab = load_draft_vocab(args.init, target.config.vocab_size)
+        info = info | {"init": os.path.abspath(args.init)}
+    else:
+        draft = init_draft(target, args.layers)
+        vocab = draft_vocabulary(train_seqs, args.draft_vocab, tokenizer.stop_ids)
+    k, mask_id = args.parallel, mask_token(tokenizer)
+    record = train(draft, lambda seqs: draft_loss(draft, seqs, k, mask_id), train_seqs, tc,
+                   args.out)
     draft.eval()
     with torch.no_grad():
-        agree = [draft_loss(draft, held[i:i + 16])[1][1] for i in range(0, len(held), 16)]
+        agree = [draft_loss(draft, held[i:i + 16], k, mask_id)[1][1:]
+                 for i in range(0, len(held), 16)]
     seqs = held[:args.tau_prompts]
 
-    def chain_tau(depth: int) -> float:
-        proposer = DraftModelProposer(draft, depth, 512, vocab)
+    def tau(depth: int, mask=None) -> float:
+        proposer = DraftModelProposer(draft, depth, 512, vocab, mask_id=mask)
         return round(measure_tau(target, proposer, seqs, 64, tokenizer.stop_ids), 3)
-    tau = {f"chain_{d}": chain_tau(d) for d in (3, 5)} if seqs else {}   # {}: not measured
-    info = info | record_fields(record) | {"held_out_top1_agreement": round(sum(agree) / len(agree), 4),
-                                           "held_out_tau": tau}
+    taus = {f"chain_{d}": tau(d) for d in (3, 5)} if seqs else {}     # {}: not measured
+    if seqs and k > 1:
+        taus[f"parallel_{k}"] = tau(k, mask_id)
+    agreement = [round(sum(a) / len(a), 4) for a in zip(*agree)]     # tokens; masks
+    info = info | record_fields(record) | {"held_out_top1_agreement": agreement,
+                                           "held_out_tau": taus}
     save_draft(draft, model_path, args.out, info, embeddings=not args.without_embeddings,
-               vocab_ids=vocab)
+               vocab_ids=vocab, pard_token=mask_id if k > 1 else None)
     return info
+
+
+def mask_token(tokenizer) -> int:
+    """PARD's mask: the tokenizer's last special token, one no chat writes (SmolLM2's
+    <empty_output>, Llama 3's last reserved one), so that the draft keeps the target's
+    embedding and its folder stays a standard one."""
+    return max(tokenizer.special(t) for t in tokenizer.encoding.special_tokens_set)
 
 
 if __name__ == "__main__":

@@ -137,29 +137,73 @@ def draft_batch(seqs: list, device="cpu") -> tuple:
     return tokens.to(device), feats.to(device), mask.to(device)
 
 
-def draft_hidden(draft, tokens) -> torch.Tensor:
-    """Llama.forward for training: tokens (B, L) -> final features (B, L, C), causal. Each layer
-    gets fresh K/V buffers: in one shared cache tensor a later layer's write would bump the
-    version of what earlier layers saved for backward, and autograd refuses that."""
+def pard_batch(seqs: list, k: int, mask_id: int, device="cpu") -> tuple:
+    """PARD's training rows (An et al. 2025) for drafts of k tokens a forward: draft_batch's,
+    then blocks of k - 1 mask tokens, each after an anchor a drawn among a row's answer
+    positions, at positions a + 1 .. a + k - 1: a block's masks see the tokens up to a and the
+    masks before them in it, exactly what the masks after a root see at inference, and mask j
+    learns the target's distribution at a + 1 + j (the token j + 2 places after a). Enough
+    anchors that the masks are about as many as the tokens. -> tokens, positions (B, T), mask
+    (B, T, T) bool, the target's features (B, T, C) and loss mask (B, T) of every row."""
+    tokens, feats, loss = draft_batch(seqs, device)                  # (B, L), (B, L, C), (B, L)
     B, L = tokens.shape
+    anchor_ok = loss & torch.cat([loss[:, 1:], torch.zeros_like(loss[:, :1])], 1)  # one after
+    A = -(-int(anchor_ok.sum(1).max()) // (k - 1))                   # anchors a row
+    draw = torch.rand(B, L, device=device).masked_fill(~anchor_ok, 2.0)
+    pick = draw.topk(A, dim=1, largest=False)                        # (B, A): random valid ones
+    anchors, valid = pick.indices, pick.values < 2.0
+    j = torch.arange(k - 1, device=device)
+    anchor = anchors.repeat_interleave(k - 1, 1)                     # (B, M): a mask's anchor
+    at = anchor + 1 + j.repeat(A)                                    # (B, M): its position
+    learns = at.clamp(max=L - 1)                                     # the feature it learns
+    block_loss = loss.gather(1, learns) & (at < L) & valid.repeat_interleave(k - 1, 1)
+    block = torch.arange(A, device=device).repeat_interleave(k - 1)  # (M,) a mask's block
+    jj = j.repeat(A)                                                 # (M,) its place in it
+    sees_tokens = torch.arange(L, device=device) <= anchor[:, :, None]           # (B, M, L)
+    sees_masks = (block[:, None] == block[None]) & (jj[None] <= jj[:, None])      # (M, M)
+    causal = torch.ones(L, L, dtype=torch.bool, device=device).tril()
+    mask = torch.cat([torch.cat([causal, causal.new_zeros(L, len(block))], 1).expand(B, -1, -1),
+                      torch.cat([sees_tokens, sees_masks.expand(B, -1, -1)], 2)], 1)  # (B, T, T)
+    positions = torch.cat([torch.arange(L, device=device).expand(B, L), at], 1)
+    return (torch.cat([tokens, torch.full_like(at, mask_id)], 1), positions, mask,
+            torch.cat([feats, feats.gather(1, learns[..., None].expand(-1, -1, feats.shape[2]))], 1),
+            torch.cat([loss, block_loss], 1))
+
+
+def draft_hidden(draft, tokens, positions=None, mask=None) -> torch.Tensor:
+    """Llama.forward for training: tokens (B, T) at positions (B, T) (None: 0, 1, ...) seeing
+    what mask (B, T, T) says (None: causal) -> final features (B, T, C). Each layer gets fresh
+    K/V buffers: in one shared cache tensor a later layer's write would bump the version of
+    what earlier layers saved for backward, and autograd refuses that."""
+    B, T = tokens.shape
     c = draft.config
-    k = [draft.embed.weight.new_zeros(B, c.num_kv_heads, L, c.head_dim) for _ in draft.layers]
-    cache = KVCache(k, [with_ones(torch.zeros_like(x)) for x in k])        # (B, K, L, D) each
-    return draft(tokens, torch.arange(L, device=tokens.device)[None], cache, project=False)[1]
+    k = [draft.embed.weight.new_zeros(B, c.num_kv_heads, T, c.head_dim) for _ in draft.layers]
+    cache = KVCache(k, [with_ones(torch.zeros_like(x)) for x in k])        # (B, K, T, D) each
+    positions = torch.arange(T, device=tokens.device)[None] if positions is None else positions
+    return draft(tokens, positions, cache, mask, project=False)[1]
 
 
-def draft_loss(draft, seqs: list) -> tuple:
-    """KL(target || draft) over the full vocabulary at every answer position; -> (loss, [kl,
-    top-1 agreement]). The target's distribution is its lm_head over the cached feature."""
-    tokens, feats, mask = draft_batch(seqs, draft.lm_head.weight.device)
-    hidden = draft_hidden(draft, tokens)                                       # (B, L, C)
+def draft_loss(draft, seqs: list, k: int = 1, mask_id: int | None = None) -> tuple:
+    """KL(target || draft) over the full vocabulary at every answer position, and with k > 1
+    at PARD's mask positions too (pard_batch); -> (loss, [kl, top-1 agreement on the tokens,
+    on the masks where k > 1]). The target's distribution is its lm_head over the cached
+    feature."""
+    device = draft.lm_head.weight.device
+    if k > 1:
+        tokens, positions, seen, feats, mask = pard_batch(seqs, k, mask_id, device)
+    else:
+        (tokens, feats, mask), positions, seen = draft_batch(seqs, device), None, None
+    hidden = draft_hidden(draft, tokens, positions, seen)                      # (B, T, C)
     W = draft.lm_head.weight                                                   # (V, C) frozen
     log_q = (hidden[mask] @ W.T).float().log_softmax(-1)                       # (n, V)
     with torch.no_grad():
         log_p = (feats[mask] @ W.T).float().log_softmax(-1)                    # (n, V)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
-    agree = (log_q.argmax(-1) == log_p.argmax(-1)).float().mean()
-    return kl, [float(kl.detach()), float(agree)]
+    agree = log_q.argmax(-1) == log_p.argmax(-1)                               # (n,)
+    L = max(len(s.hidden) for s in seqs)                                       # then masks
+    real = torch.arange(mask.shape[1], device=device).expand_as(mask)[mask] < L   # (n,)
+    parts = [agree[real]] + ([agree[~real]] if k > 1 else [])
+    return kl, [float(kl.detach())] + [float(a.float().mean()) for a in parts]
 
 
 # ---------------------------------------------------------------- the training loop
