@@ -90,8 +90,7 @@ def read_bench(path: str, limit: int = 0, categories: str | None = None,
     for number, row in jsonl_rows(path):
         try:
             turns = [row["prompt"]] if "prompt" in row else row["turns"]
-            if not isinstance(turns, list) or not turns or \
-                    not all(isinstance(t, str) for t in turns):
+            if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
                 raise TypeError("turns must be a non-empty list of strings")
         except (KeyError, TypeError):
             raise ValueError(f"{path}:{number}: expected a JSON object with 'prompt' (a "
@@ -250,35 +249,31 @@ def plots(folder: str, runs: list, methods: list, cost_ms: dict) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
-    def save(fig, name: str) -> None:             # whole (a temporary name, then renamed)
-        fig.tight_layout()
+    def save(name: str, lines: dict, integer=False, **labels) -> None:   # {label: (x, y)}
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for label, (x, y) in lines.items():
+            ax.plot(x, y, marker="o", label=label)
+        ax.set(**labels)
+        if integer:
+            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        if None not in lines:
+            ax.legend()
+        fig.tight_layout()                        # whole (a temporary name, then renamed)
         write_whole(os.path.join(folder, name), lambda tmp: fig.savefig(tmp, format="png", dpi=110))
         plt.close(fig)
     os.makedirs(folder, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(list(cost_ms), [ms / cost_ms[1] for ms in cost_ms.values()], marker="o")
-    ax.set(xlabel="tokens in one target forward (tree nodes + root)",
-           ylabel="cost relative to 1 token", title="What verifying a tree costs")
-    save(fig, "verify_cost.png")
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for m in methods:
-        acc = runs[0]["summary"]["methods"][m].get("acceptance_by_position") or []
-        if acc:
-            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=m)
-    ax.set(xlabel="draft position", ylabel="fraction of steps accepted", ylim=(0, 1),
-           title=f"Acceptance by position (temperature {runs[0]['temperature']:g})")
-    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    ax.legend()
-    save(fig, "acceptance.png")
+    save("verify_cost.png", {None: (list(cost_ms), [ms / cost_ms[1] for ms in cost_ms.values()])},
+         xlabel="tokens in one target forward (tree nodes + root)",
+         ylabel="cost relative to 1 token", title="What verifying a tree costs")
+    acc = {m: runs[0]["summary"]["methods"][m].get("acceptance_by_position") for m in methods}
+    save("acceptance.png", {m: (range(1, len(a) + 1), a) for m, a in acc.items() if a}, True,
+         xlabel="draft position", ylabel="fraction of steps accepted", ylim=(0, 1),
+         title=f"Acceptance by position (temperature {runs[0]['temperature']:g})")
     if len(runs) > 1:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for m in methods:
-            ax.plot([r["temperature"] for r in runs],
-                    [r["summary"]["methods"][m]["tau"] for r in runs], marker="o", label=m)
-        ax.set(xlabel="temperature", ylabel="tau (tokens per target forward)",
-               title="Acceptance falls as sampling spreads")
-        ax.legend()
-        save(fig, "tau_by_temperature.png")
+        save("tau_by_temperature.png", {m: ([r["temperature"] for r in runs], [
+            r["summary"]["methods"][m]["tau"] for r in runs]) for m in methods},
+             xlabel="temperature", ylabel="tau (tokens per target forward)",
+             title="Acceptance falls as sampling spreads")
 
 
 def decode_all(prompts: list, decoders: dict, tokenizer) -> tuple:
@@ -406,8 +401,7 @@ def verify_curve(tc: TargetConfig) -> dict:
             print(f"{batch:5d}{k:5d}{batch * k:8d}{t:9.1f}{t / base:11.2f}x{t / (batch * k):10.2f}",
                   file=sys.stderr)
     return {"machine": machine_name(tc.device), "dtype": tc.dtype, "device": tc.device,
-            "model": path,
-            "ms": {f"{b}x{k}": t for b, ms in curves.items() for k, t in ms.items()}}
+            "model": path, "ms": {f"{b}x{k}": t for b, ms in curves.items() for k, t in ms.items()}}
 
 
 def machine_name(device: str) -> str:

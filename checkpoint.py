@@ -67,12 +67,10 @@ def to_our_names(hf: dict, c: LlamaConfig) -> dict:
         sd[o + "attn_norm.weight"] = hf[p + "input_layernorm.weight"]
         sd[o + "mlp_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
         sd[o + "attn.wqkv.weight"] = torch.cat([hf[a + n + "_proj.weight"] for n in "qkv"])
-        if c.attention_bias:
+        sd[o + "attn.wo.weight"] = wo = hf[a + "o_proj.weight"]
+        if c.attention_bias:                            # o's optional: absent means zero
             sd[o + "attn.wqkv.bias"] = torch.cat([hf[a + n + "_proj.bias"] for n in "qkv"])
-        sd[o + "attn.wo.weight"] = hf[a + "o_proj.weight"]
-        if c.attention_bias:
-            zero = hf[a + "o_proj.weight"].new_zeros(c.hidden_size)
-            sd[o + "attn.wo.bias"] = hf.get(a + "o_proj.bias", zero)
+            sd[o + "attn.wo.bias"] = hf.get(a + "o_proj.bias", wo.new_zeros(c.hidden_size))
         sd[o + "mlp.w13.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"],
                                               hf[p + "mlp.up_proj.weight"]])
         sd[o + "mlp.w2.weight"] = hf[p + "mlp.down_proj.weight"]
@@ -104,8 +102,9 @@ def to_hf_names(sd: dict, c: LlamaConfig) -> dict:
     return {k: v.contiguous() for k, v in hf.items()}
 
 
-def read_json(path: str, what: str) -> dict:
-    """A JSON object from path; a missing file, invalid JSON or another type names the file."""
+def read_json(path: str, what: str = "JSON file", kind=dict):
+    """A JSON value of `kind` (object: any) from path; a missing file, invalid JSON or another
+    kind names the file."""
     if not os.path.isfile(path):
         raise LoadError(f"{what} not found: {path}")
     try:
@@ -113,7 +112,7 @@ def read_json(path: str, what: str) -> dict:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise LoadError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
+    if not isinstance(data, kind):
         raise LoadError(f"{path}: expected a JSON object")
     return data
 
@@ -150,19 +149,15 @@ def check_tensors(tensors: dict, c: LlamaConfig) -> None:
     with torch.device("meta"):                  # the names and shapes, o_proj's bias optional
         hf = to_hf_names(Llama(c, init=False).state_dict(), c)
     expected = {k: tuple(v.shape) for k, v in hf.items() if not k.endswith("o_proj.bias")}
-    tolerated = {"lm_head.weight"} if c.tie_embeddings else set()   # some tied checkpoints keep it
-    if c.attention_bias:                                             # optional: absent means zero
-        tolerated |= {f"model.layers.{i}.self_attn.o_proj.bias" for i in range(c.num_layers)}
-    missing = sorted(set(expected) - set(tensors))
-    extra = sorted(n for n in set(tensors) - set(expected) - tolerated
+    tolerated = set(hf) - set(expected) | ({"lm_head.weight"} if c.tie_embeddings else set())
+    missing = sorted(set(expected) - set(tensors))    # o_proj.bias: optional; lm_head: some tied
+    extra = sorted(n for n in set(tensors) - set(expected) - tolerated   # checkpoints keep it
                    if not n.endswith("rotary_emb.inv_freq"))
-    if missing:
-        raise LoadError(f"checkpoint lacks tensor {missing[0]}" +
-                        (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    if extra:
-        raise LoadError(f"checkpoint has unexpected tensor {extra[0]}" +
-                        (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "") +
-                        ": not a plain Llama for this config.json?")
+    for names, what, why in ((missing, "lacks", ""), (extra, "has unexpected",
+                                                      ": not a plain Llama for this config.json?")):
+        if names:
+            raise LoadError(f"checkpoint {what} tensor {names[0]}" + (
+                f" (and {len(names) - 1} more)" if len(names) > 1 else "") + why)
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != shape:
             raise LoadError(f"tensor {name} has shape {tuple(tensors[name].shape)}, "
@@ -188,9 +183,10 @@ def load_model(folder: str, dtype=torch.float32, device="cpu", embeddings_from=N
     return model.to(device).eval()
 
 
-def folder_config(folder: str) -> LlamaConfig:
+def folder_config(folder: str, hf: dict | None = None) -> LlamaConfig:
+    """config_from_hf of the folder's config.json (or of hf, read from it), errors naming it."""
     path = os.path.join(folder, "config.json")
-    hf = read_json(path, "config.json")               # its own errors name the file
+    hf = read_json(path, "config.json") if hf is None else hf   # its own errors name the file
     try:
         return config_from_hf(hf)
     except LoadError as e:
@@ -233,9 +229,8 @@ def write_json(path: str, obj, indent: int | None = 1) -> None:
 
 
 def save_tensors(tensors: dict, path: str, metadata: dict | None = None) -> None:
-    """safetensors' save_file, whole or not at all, the file then readable by whom its folder
-    is: save_file makes every file private (0600), which another user of a shared cache, or an
-    engine, cannot read. Only read bits are given, and the owner's read and write always."""
+    """safetensors' save_file, whole or not at all, readable by whom its folder is (save_file
+    makes files 0600, which another user of a shared cache, or an engine, cannot read)."""
     folder = os.stat(os.path.dirname(os.path.abspath(path))).st_mode
 
     def write(tmp):
@@ -249,10 +244,8 @@ def save_tensors(tensors: dict, path: str, metadata: dict | None = None) -> None
 
 def place_folder(built: str, folder: str, aside: str) -> bool:
     """Rename the finished folder `built` to `folder` -> whether it was placed. A complete one
-    (holding model.safetensors) that another process placed meanwhile is kept, never deleted:
-    it may be in use, and `built` is left to the caller to remove. An incomplete one (an older
-    version's, or one cut short) is first moved to `aside`, a path in the caller's own work
-    folder, removed with it."""
+    (with model.safetensors) another process placed meanwhile is kept (it may be in use); an
+    incomplete one is first moved to `aside`, a path in the caller's work folder."""
     for attempt in range(3):
         try:
             os.rename(built, folder)
@@ -284,12 +277,7 @@ def read_head_config(folder: str) -> HeadConfig:
             raise TypeError("no 'kind': a model's config? a draft model goes to --draft; an "
                             "exported EAGLE folder is for serving engines, --head takes the "
                             "folder it was exported from")
-        if config.pop("input_norm", False):     # this project's own older layout, deleted
-            raise LoadError(f"{folder}: an EAGLE head of this project's older layout (a norm "
-                            "before attention), which this version does not read")
-        if config.pop("own_projection", False):
-            raise LoadError(f"{folder}/config.json: Medusa heads with projections of their "
-                            "own are not supported; train heads that share the target's")
+        config.pop("own_projection", None)      # older Medusa heads' (the shipped one's): false
         return HeadConfig(**config)
     except (TypeError, KeyError) as e:
         raise LoadError(f"{folder}/config.json: not a head config ({e})") from None
@@ -307,10 +295,7 @@ def eagle3_config(hf: dict, folder: str) -> HeadConfig:
         if hf.get(flag, plain) != plain:
             raise LoadError(f"{folder}/config.json: {flag}={hf[flag]}, an EAGLE-3 variant this "
                             f"code does not implement (only {flag}={plain})")
-    try:
-        layer = config_from_hf(hf | {"architectures": ["LlamaForCausalLM"]})
-    except LoadError as e:
-        raise LoadError(f"{folder}/config.json: {e}") from None
+    layer = folder_config(folder, hf | {"architectures": ["LlamaForCausalLM"]})
     # SpecForge and SGLang name a layer by its output (hidden_states[L + 1]); vLLM's top-level
     # field, like `taps`, by the layer the stream enters (hidden_states[L])
     ids = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -364,7 +349,11 @@ def load_head(folder: str, target, kind: str) -> tuple:
     config = read_head_config(folder)
     if config.kind != kind:
         raise LoadError(f"{folder}: holds a {config.kind} head, not {kind}")
-    config.check(target.config, folder)
+    c = target.config
+    if (config.hidden_size, config.vocab_size) != (c.hidden_size, c.vocab_size):
+        raise LoadError(f"{folder}: head trained for hidden size {config.hidden_size} and vocab "
+                        f"{config.vocab_size}, but the target has {c.hidden_size} and "
+                        f"{c.vocab_size}; train a head for this target")
     path, tensors = head_tensors(folder)
     if kind == "eagle3":
         N = target.config.num_layers

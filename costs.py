@@ -1,12 +1,8 @@
 """--tree-size auto's prices, learned from the steps decoding runs: the ms of a verify pass over
-k tokens and of a proposal, and the tree size they make fastest. Nothing is kept between runs:
-a run prices its own machine, load and model as it goes (a bench, which decodes many prompts
-with one proposer, keeps learning across them).
+k tokens and of a proposal, and the tree size they make fastest. Nothing is kept between runs
+(a bench keeps learning across its prompts). Sizes never change a token, only the speed.
 
     proposer = Priced(EagleProposer(...), Sizer(...))     # drives as the proposer it wraps
-
-Sizes never change a token (every kernel gives a row the same bits in any call), so the prices
-only decide speed.
 """
 import statistics
 import sys
@@ -46,8 +42,7 @@ class Prices:
         if len(ks) == 1:                          # one point: the prior's slope through it
             a = ms[0] / (1 + PRIOR_SLOPE * ks[0])
             return a, PRIOR_SLOPE * a
-        b = statistics.linear_regression(ks, ms).slope
-        b = max(b, 0.0)                           # noise must not make bigger passes cheaper
+        b = max(statistics.linear_regression(ks, ms).slope, 0.0)   # noise: bigger never cheaper
         return max(statistics.fmean(ms) - b * statistics.fmean(ks), 1e-3), b
 
     def verify_ms(self, k: int) -> float:

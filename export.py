@@ -7,14 +7,9 @@ EAGLE's format is the EAGLE authors' (eagle/model/cnets.py `Model`, loaded stric
 HF Llama names, without the layer's input_layernorm. SGLang's EAGLE head has the same layout;
 vLLM's has no fc bias (docs/ENGINES.md).
 The reduced draft vocabulary is our drafting shortcut: the exported head predicts a feature,
-which those engines project with the target's whole lm_head.
-
-    python train_heads.py export weights/smollm2-135m-draft draft-out --format hf
-
-writes the distilled draft as a whole HF Llama folder (the shipped one leaves out the embedding
-it shares with the target), which engines take as a draft model.
+which those engines project with the target's whole lm_head. --format eagle3 writes SpecForge's
+layout (`eagle3_folder`), --format hf the distilled draft as a whole HF folder (`export_draft`).
 """
-import json
 import os
 import shutil
 import time
@@ -25,7 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from checkpoint import (borrowed_embeddings, folder_config, load_head, read_head_config, read_json,
-                        save_tensors, to_hf_names)
+                        save_tensors, to_hf_names, write_json)
 from heads import EAGLE_ROPE_THETA, Eagle3Head, EagleHead, HeadConfig, eagle3_taps
 from model import LlamaConfig, LoadError
 
@@ -35,8 +30,7 @@ FORMATS = ("eagle", "eagle3", "hf")
 def check_exportable(config: HeadConfig, folder: str, fmt: str) -> None:
     """LoadError naming what the format (eagle, eagle3) cannot express, before anything is
     written."""
-    layer = config.layer
-    why = None
+    layer, why = config.layer, None
     if config.kind != fmt:
         why = f"it holds {config.kind} heads; --format {fmt} exports {fmt} heads"
     elif fmt == "eagle3":
@@ -144,8 +138,7 @@ def export_head(head_dir: str, target, out: str, fmt: str, force: bool = False) 
 
     def fill(tmp: str) -> None:
         save_tensors(tensors, os.path.join(tmp, "model.safetensors"), {"format": "pt"})
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(config, f, indent=1)
+        write_json(os.path.join(tmp, "config.json"), config)
     write_folder(out, fill)
 
 

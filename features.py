@@ -171,12 +171,10 @@ def load_features(folder: str) -> list:
     seqs = []
     for name in tqdm(names, desc="loading features", unit="shard"):
         t = load_file(os.path.join(folder, name))
-        off, hoff = t["offsets"].tolist(), 0
-        for i, p in enumerate(t["prompt_lens"].tolist()):
-            n = off[i + 1] - off[i]
-            rows = slice(hoff, hoff + n - 1)
-            seqs.append(Seq(t["tokens"][off[i]:off[i + 1]].long(), t["hidden"][rows], p))
-            hoff += n - 1
+        off = t["offsets"].tolist()
+        for i, p in enumerate(t["prompt_lens"].tolist()):    # n tokens, n - 1 hidden rows each
+            seqs.append(Seq(t["tokens"][off[i]:off[i + 1]].long(),
+                            t["hidden"][off[i] - i:off[i + 1] - i - 1], p))
     return seqs
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from kernel import attention_mask, round_up
-from model import MLP, Attention, Block, KVCache, LlamaConfig, LoadError, RMSNorm, Rope, cache_dtype
+from model import MLP, Attention, Block, KVCache, LlamaConfig, RMSNorm, Rope, cache_dtype
 
 
 @dataclass
@@ -31,12 +31,6 @@ class HeadConfig:
     accuracy: list = field(default_factory=list)  # [depth][rank] measured P(correct | path so far)
     taps: list = field(default_factory=list)      # EAGLE-3: the target layers whose input it
                                  # reads (hidden_states indices); [] the default 2, N/2, N - 3
-
-    def check(self, target: LlamaConfig, folder: str) -> None:
-        if (self.hidden_size, self.vocab_size) != (target.hidden_size, target.vocab_size):
-            raise LoadError(f"{folder}: head trained for hidden size {self.hidden_size} and vocab "
-                            f"{self.vocab_size}, but the target has {target.hidden_size} and "
-                            f"{target.vocab_size}; train a head for this target")
 
 
 class EagleHead(nn.Module):

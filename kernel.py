@@ -6,21 +6,13 @@ Why exactness needs it: floating-point sums round differently in different order
 libraries torch calls (MKL, oneDNN) choose their order by the shapes they are given, and by the
 CPU (AVX2, AVX-512, AMX). Plain decoding computes a token in a call of one row; tree
 verification computes the same token in a call of several. For speculative decoding to write
-plain decoding's very text, both must give the row the same bits. How each kernel keeps it:
-  - attention (`attend`): sums in an order fixed by the token's own visible slots (blocks of
-    SLOT_BLOCK), never by the call; its two float32 matmuls are MKL's, whose rows on its AVX2
-    path depend on the call at some sizes (docs/RESULTS.md): the check tries several; a
-    prefill (more than PREFILL_QUERIES queries) goes to SDPA: its rows no other call computes;
-  - linear layers (quantize.py's forms) send the library calls of a fixed number of rows
-    (`in_calls`): one row a call for float32 (a row alone is the very call plain decoding
-    makes, and MKL's fastest), blocks of 16 for bf16 and float16 float weights (oneDNN), all
-    rows at once for torch's int4 and int8 kernels, whose code computes every row with the same
-    instructions in the same order (4-row tiles, one FMA chain a row and column);
-  - the compiled step (`step`): the same layers, attention with its gather made static.
-What is left to a library (that a row's bits within a call do not depend on the rows beside
-it, or on the call's size for attention and torch's kernels) is checked at start on the machine
-that runs (`check_rows`, about 0.1 s, nothing kept): where a kernel fails, the run
-computes that kernel's rows alone, which is exact by construction, and `--verbose` says so.
+plain decoding's very text, both must give the row the same bits: attention sums in an order
+fixed by the token's own visible slots (`attend`), linear layers send the library calls of a
+fixed number of rows (`in_calls`; torch's int4 and int8 kernels compute every row with the same
+instructions in the same order, so all rows go at once), the compiled step is the same layers
+(`step`). What is left to a library is checked at start on the machine that runs
+(`check_rows`, about 0.1 s): where a kernel fails, the run computes that kernel's rows alone,
+exact by construction, and `--verbose` says so.
 
 Dimensions: B batch, T new tokens (queries), H query heads, K key/value heads, G = H / K, D head
 dim, W cache slots read (whole blocks of SLOT_BLOCK), M rows of a linear call, I its inputs.
@@ -215,14 +207,9 @@ def tail_slots(mask: torch.Tensor, gather: bool = False):
 
 class RowCalls(nn.Module):
     """A linear layer (quantize.py's forms) whose rows go to the library in calls of `rows` rows
-    (`in_calls`; 0: all rows in one call). `check_rows` may set rows to 1."""
+    (`in_calls`; 0: all rows in one call). `check_rows` may set rows to 1. Each form defines
+    kernel(x): (M, I) -> (M, O), a library call, and sizes(): (I, O, activations' dtype)."""
     rows = 0
-
-    def kernel(self, x: torch.Tensor) -> torch.Tensor:     # (M, I) -> (M, O): a library call
-        raise NotImplementedError
-
-    def sizes(self) -> tuple:                               # (I, O, activations' dtype)
-        raise NotImplementedError
 
     def forward(self, x):
         y = in_calls(self.kernel, x.reshape(-1, x.shape[-1]), self.rows)   # (M, O)
@@ -272,11 +259,10 @@ def check_rows(model) -> list:
     c, k = model.config, model.new_cache(1, 1).k            # attention's dtype and device
     model.gather, model.alone, n = attention_route(c.num_heads, c.num_kv_heads, c.head_dim,
                                                    k.dtype, k.device)
-    kind = f"attention in {str(k.dtype).removeprefix('torch.')}: a tree node among {n} differs "
-    notes += ([kind + "from its path alone here, gathered or not; every query alone"]
-              if model.alone
-              else [kind + "ungathered inside one block (zero weights change a sum here); every "
-                    "tree gathered"] if model.gather else [])
+    why = ("from its path alone here, gathered or not; every query alone" if model.alone else
+           "ungathered inside one block (zero weights change a sum here); every tree gathered")
+    notes += [f"attention in {str(k.dtype).removeprefix('torch.')}: a tree node among {n} "
+              f"differs {why}"] if model.gather else []
     return notes
 
 
@@ -324,13 +310,8 @@ def attention_differs(H, K, D, dtype, n, prefix, g, device="cpu", gather=False) 
 # ---------------------------------------------------------------- the compiled step (--compile)
 # At batch 1 on a CPU most of an eager step is PyTorch's cost per small operation, not reading
 # weights. torch.compile removes it when it sees the whole step as one graph (fullgraph=True,
-# gpt-fast's design) whose shapes never change, so nothing recompiles: a fixed number of new
-# tokens (1, or a tree padded to one size: `pad_inputs`), a fixed cache width (the first
-# `cache_width(slots in use)` slots, a power of two: a graph each), the cache length a tensor.
-# Prefills stay eager. `attend_fixed` is `attend` with its data-dependent gather made static (a
-# graph with it, a graph without, for chains and trees inside a block as in `attend`): every
-# query gathers a fixed window of TAIL_BLOCKS blocks of its plain layout, the blocks before it
-# shared, all added in one fixed order. Dimensions: T padded tokens, S slots, R window slots.
+# gpt-fast's design) whose shapes never change (see `Compiled`); prefills stay eager.
+# Dimensions: T padded tokens, S slots, R window slots.
 
 WINDOW = TAIL_BLOCKS * SLOT_BLOCK        # R: slots a query gathers in its plain layout
 NARROWEST = 256                          # the smallest cache width attended
@@ -434,9 +415,8 @@ class Compiled(nn.Module):
 
     @torch.inference_mode()
     def warm_up(self, name: str = "the target") -> "Compiled":
-        """Compile now every graph (size, width, gathering or not) its caches can need, so that
-        no step of a run stops to compile (minutes each the first time, seconds from torch's
-        on-disk cache)."""
+        """Compile now every graph (size, width, gathering or not) its caches can need: no step
+        of a run stops to compile (minutes the first time, seconds from torch's disk cache)."""
         print(f"Compiling {name}'s steps of {', '.join(map(str, self.sizes))} token"
               f"{'s' * (self.sizes != [1])} over {', '.join(map(str, self.widths()))} slots "
               f"(minutes the first time; torch keeps them for the next start)", file=sys.stderr)

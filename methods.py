@@ -5,7 +5,6 @@ that makes its proposer (spec.py and bench.py map their flags onto these datacla
     proposer, info = build_proposer(method_config("eagle2"), *target, slots)
 """
 import argparse
-import json
 import os
 import sys
 from dataclasses import dataclass, replace
@@ -33,8 +32,7 @@ PARALLEL_DEPTH = 4                     # a parallel draft's block (docs/RESULTS.
 # distilled draft's second token is accepted in 9% of steps, for a forward of its own each
 # (draft-chain); a parallel draft drafts its block in one forward
 TREE_DEFAULTS = {"draft": (PARALLEL_DEPTH, 1, 0), "draft-chain": (1, 1, 0), "ngram": (3, 1, 0),
-                 "medusa": (4, 1, "auto"),
-                 "eagle": (5, 1, "auto"), "eagle2": (3, 4, "auto"),
+                 "medusa": (4, 1, "auto"), "eagle": (5, 1, "auto"), "eagle2": (3, 4, "auto"),
                  "eagle2+ngram": (3, 4, "auto"), "eagle3": (3, 4, "auto")}
 HEAD_KIND = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle", "eagle2+ngram": "eagle",
              "eagle3": "eagle3"}
@@ -115,17 +113,13 @@ def pick_device(name: str | None) -> str:
             reason = (str(e).splitlines() or [""])[0].split(". ")[0]      # torch's first sentence
             raise ValueError(f"--device {name} is not available here ({reason})") from None
         return name
-    if torch.cuda.is_available():
-        return "cuda"
-    return "mps" if torch.backends.mps.is_available() else "cpu"
+    return ("cuda" if torch.cuda.is_available() else
+            "mps" if torch.backends.mps.is_available() else "cpu")
 
 
 def weight_forms(tc: TargetConfig) -> tuple:
-    """(form of the decoder's matrices, of the lm_head). auto: the default model's matrices as
-    the int4 blocks its file holds (bfloat16 on CPU), any other checkpoint as it is; a quantized
-    model's lm_head in int8 (measured: docs/RESULTS.md). Not in float16 or float32: torch's
-    int4 and int8 CPU kernels are vectorized for bfloat16 activations only; the others take a
-    scalar loop many times slower than their own matmul (docs/RESULTS.md)."""
+    """(form of the decoder's matrices, of the lm_head), as --help says for --weights; a
+    quantized model's lm_head in int8 (measured: docs/RESULTS.md)."""
     form = tc.weights
     if form == "auto":
         default = tc.model is None or tc.model.startswith(RANDOM)
@@ -190,14 +184,19 @@ def random_model(name: str, dtype=torch.float32, device="cpu", layers: int = 0) 
 def build_proposer(mc: MethodConfig, path: str, target, tokenizer, slots: int) -> tuple:
     """-> (proposer, info: what drafts and the memory it adds). path: the target's folder (a
     shipped draft takes its embeddings from it); slots: the caches' size."""
-    if mc.method == "ngram":
-        return build_ngram(mc)
+    if mc.method == "ngram":                # prompt lookup: up to depth tokens, by the match
+        return PromptLookupProposer(mc.depth, mc.ngram_max), {"draft": "prompt lookup, n <= "
+                                                              f"{mc.ngram_max}", "draft_params": 0,
+                                                              "draft_memory_mb": 0.0}
     if mc.method in ("draft", "draft-chain"):
         return build_draft(mc, path, target, tokenizer, slots)
-    if mc.method == "eagle2+ngram":
-        return build_lookup_eagle(mc, target, slots)
-    if mc.method in HEAD_KIND:
-        proposer, sizer, info = build_head(mc, target, slots)
+    if mc.method in HEAD_KIND:      # eagle2+ngram: EAGLE-2's tree, the prompt-lookup chain one
+        lookup = mc.method == "eagle2+ngram"    # more branch in every pass (auto prices it in)
+        proposer, sizer, info = build_head(replace(mc, method="eagle2") if lookup else mc, target,
+                                           slots, extra=LOOKUP_DEPTH * lookup)
+        if lookup:
+            proposer = LookupEagleProposer(proposer,
+                                           PromptLookupProposer(LOOKUP_DEPTH, mc.ngram_max))
         return (Priced(proposer, sizer) if sizer else proposer), info
     raise ValueError(f"no proposer for method {mc.method!r}; methods: {', '.join(METHODS[1:])}")
 
@@ -230,13 +229,6 @@ def compiled_verifier(target, mc: MethodConfig, proposer, slots: int) -> Compile
     most, chains = proposer.max_nodes, mc.method in ("ngram", "draft", "draft-chain")
     sizes = {min(1 << i, most) for i in range(most.bit_length() + 1)} if chains else (1, most)
     return Compiled(target, sizes, slots, getattr(proposer, "taps", ()), trees=not chains)
-
-
-def build_ngram(mc: MethodConfig) -> tuple:
-    """Prompt lookup: up to depth tokens, scaled by how long a match was found."""
-    proposer = PromptLookupProposer(mc.depth, mc.ngram_max)
-    return proposer, {"draft": f"prompt lookup, n <= {mc.ngram_max}", "draft_params": 0,
-                      "draft_memory_mb": 0.0}
 
 
 def build_draft(mc: MethodConfig, path: str, target, tokenizer, slots: int) -> tuple:
@@ -286,14 +278,6 @@ def check_draft_folder(folder: str, vocab_size: int | None = None):
         raise LoadError(f"{folder}/config.json: pard_token {mask!r} is no token id of the "
                         f"target's vocabulary")
     return mask
-
-
-def build_lookup_eagle(mc: MethodConfig, target, slots: int) -> tuple:
-    """EAGLE-2's tree plus the prompt-lookup chain as one more branch; the chain rides along in
-    every verify pass, so --tree-size auto prices it in."""
-    eagle, sizer, info = build_head(replace(mc, method="eagle2"), target, slots, extra=LOOKUP_DEPTH)
-    proposer = LookupEagleProposer(eagle, PromptLookupProposer(LOOKUP_DEPTH, mc.ngram_max))
-    return (Priced(proposer, sizer) if sizer else proposer), info
 
 
 def build_head(mc: MethodConfig, target, slots: int, extra: int = 0) -> tuple:
@@ -349,11 +333,8 @@ def share_embeddings(draft, target):
 
 
 def draft_form(mc: MethodConfig, module) -> str:
-    """Drafts (heads, the draft model, their projections) run int8 where the kernel is fast: a
-    draft decides what is proposed, never what is accepted, so its rounding can cost acceptance
-    but never exactness; their matrices are small and cold, and reading them is most of a
-    drafting round. The kernel is vectorized for bfloat16 inputs only: float32 and float16
-    drafts stay float (int8 would be several times slower there, docs/RESULTS.md)."""
+    """Drafts run int8 where the kernel is fast (bfloat16 on CPU, docs/RESULTS.md): a draft
+    decides what is proposed, never what is accepted, so its rounding never costs exactness."""
     p = next(module.parameters())
     usable = p.device.type == "cpu" and p.dtype == torch.bfloat16
     return "int8" if mc.draft_int8 and usable else "float"
@@ -423,11 +404,7 @@ def load_draft_vocab(folder: str, vocab_size: int):
     path = os.path.join(folder, DRAFT_VOCAB)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        try:
-            ids = json.load(f)
-        except json.JSONDecodeError as e:
-            raise LoadError(f"{path}: not JSON ({e})") from None
+    ids = read_json(path, DRAFT_VOCAB, object)
     if not (isinstance(ids, list) and ids and all(isinstance(i, int) and 0 <= i < vocab_size
                                                   for i in ids)):
         raise LoadError(f"{path}: expected a list of token ids below the vocabulary size {vocab_size}")
@@ -436,6 +413,5 @@ def load_draft_vocab(folder: str, vocab_size: int):
 
 def module_bytes(module) -> int:
     """Bytes of a module's parameters and buffers (0 for None)."""
-    if module is None:
-        return 0
-    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+    return 0 if module is None else sum(t.numel() * t.element_size()
+                                        for t in [*module.parameters(), *module.buffers()])

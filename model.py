@@ -3,11 +3,9 @@
 Dimensions: B batch, T new tokens, S cache slots, C hidden, H query heads, K key/value heads,
 D head dim, V vocab, F intermediate (MLP) size.
 
-The KV cache is written by absolute slot. A forward pass appends T tokens that see the whole cached
-prefix plus an arbitrary boolean mask among themselves (one (T, prefix + T) mask says which slots
-each sees); plain decoding is causal, tree verification passes the tree's ancestor mask after
-the prefix. Afterwards `KVCache.keep` keeps a chosen subset of the new slots (the accepted
-path) and moves the length: that is the whole rollback.
+The KV cache is written by absolute slot: a forward appends T tokens that see the cached prefix
+and, among themselves, what a mask says (plain decoding: causal; a tree: each node's ancestors).
+`KVCache.keep` then keeps the accepted path's slots and moves the length: the whole rollback.
 Attention itself, exact whatever shares a call, is in kernel.py.
 """
 import math
@@ -98,15 +96,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, normalized in float32, in the reference's (HF's) order of roundings."""
+    """x / rms(x) * weight: normalized in >= float32 (bf16 squares lose too much), rounded, then
+    weighted, as the reference (HF) rounds (a fused weight would round once)."""
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # normalized in >= float32 (bf16 squares lose too much), rounded, then weighted: as the
-        # reference rounds (a fused weight would round once)
         x32 = x.to(torch.promote_types(x.dtype, torch.float32))
         return self.weight * F.rms_norm(x32, x.shape[-1:], eps=self.eps).to(x.dtype)
 

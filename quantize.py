@@ -2,23 +2,16 @@
 
 Dimensions: M rows (batch x tokens), I input features, O output features, G group size.
 
-A model is built with plain nn.Linear layers; `quantize` replaces them by modules that hold the
-same matrix in fewer bits and call torch's weight-only kernels. The model's forward has no
-branch for them. Each sends its rows to torch's kernels in calls of a fixed size
-(`kernel.RowCalls`), so that a row gets the same bits whatever else shares the step: a token
-verified inside a tree gets the bits plain decoding gives it (kernel.py says why and how).
+`quantize` replaces a model's nn.Linear layers by modules that hold the same matrix in fewer
+bits and call torch's weight-only kernels, in calls of a fixed number of rows (`kernel.RowCalls`:
+kernel.py says why); the model's forward has no branch for them.
 
   float  the checkpoint's own matrices (on CPU: `FloatLinear`, rows in calls of a fixed size)
   int8   per output row: w = s * q, q in -127..127          (torch._weight_int8pack_mm)
   int4   per group of 32 inputs: w = d * q + m, q in 0..15  (torch._weight_int4pack_mm_for_cpu)
 
-int4 is llama.cpp's Q4_1 block, so the default model (a Q4_1 file, stored dequantized in float32
-by default_model.py) gets its original blocks back: `int4_blocks` recovers the file's q exactly,
-and its float16 d and m (tested against the GGUF file); the kernel then holds d and m + 8d in
-the activations' dtype.
-
-`load_quantized` keeps a model's quantized form in a named file beside its weights, so that
-packing it is one-time work.
+int4 is llama.cpp's Q4_1 block: the default model gets its file's blocks back (`int4_blocks`).
+`load_quantized` keeps the packed form in a file beside the weights: packing is one-time work.
 """
 import os
 import sys
@@ -29,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from kernel import RowCalls
-from checkpoint import config_from_hf, load_model, read_json, save_tensors
+from checkpoint import folder_config, load_model, save_tensors
 from model import Llama
 
 WEIGHTS = ("float", "int8", "int4")
@@ -184,7 +177,9 @@ def load_quantized(folder: str, dtype, form: str, head_form: str, keep: str) -> 
     if model is None:
         print(f"Packing the model's {form} weights, once, into {keep}", file=sys.stderr)
         model = quantize(load_model(folder, dtype, "cpu"), form, head_form)
-        if not write_kept(model, keep, stamp):
+        try:                                      # whole or not at all
+            save_tensors({k: v.contiguous() for k, v in model.state_dict().items()}, keep, stamp)
+        except (OSError, SafetensorError):
             print(f"note: could not keep them in {keep}: the next start packs them again",
                   file=sys.stderr)
     return model
@@ -199,20 +194,9 @@ def read_kept(folder: str, keep: str, stamp: dict, form: str, head_form: str) ->
             # cloned: torch allocates aligned memory, which the kernels need (a tensor read
             # from the file need not be aligned; the int8 kernel crashes on one that is not)
             state = {name: f.get_tensor(name).clone() for name in f.keys()}
-        config = config_from_hf(read_json(os.path.join(folder, "config.json"), "config.json"))
         with torch.device("meta"):
-            model = quantize(Llama(config, init=False), form, head_form)
+            model = quantize(Llama(folder_config(folder), init=False), form, head_form)
         model.load_state_dict(state, assign=True)
     except (OSError, SafetensorError, RuntimeError):     # unreadable, or not this model's form
         return None
     return model.eval()
-
-
-def write_kept(model: Llama, keep: str, stamp: dict) -> bool:
-    """Whole or not at all -> whether it was written."""
-    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
-    try:
-        save_tensors(tensors, keep, stamp)
-        return True
-    except (OSError, SafetensorError):
-        return False

@@ -83,7 +83,9 @@ def run(args) -> dict:
     checked = routes or ["every kernel the check tries gives a row the same bits in any call"]
     for line in (checked if args.verbose else ()):
         print(f"exact: {line}", file=sys.stderr)
-    info, shown = {}, {"on_step": tree_printer(tokenizer)} if args.show_tree else {}
+    draw = lambda tree, accepted, bonus: print("\n" + render_tree(         # noqa: E731
+        tree, lambda t: tokenizer.decode([t]), accepted, bonus), file=sys.stderr)  # --show-tree
+    info, shown = {}, {"on_step": draw} if args.show_tree else {}
     if args.method == "ar":
         fast = Compiled(target, slots=check_room(target, prompt_ids, gen)) if args.compile else None
         decode = partial(generate_ar, fast or target, prompt_ids)
@@ -118,14 +120,6 @@ def run(args) -> dict:
             "rows_alone": routes} | info
 
 
-def tree_printer(tokenizer):
-    """--show-tree: draws each step's tree on stderr."""
-    def show(tree, accepted, bonus):
-        drawn = render_tree(tree, lambda t: tokenizer.decode([t]), accepted, bonus)
-        print(f"\n{drawn}", file=sys.stderr)
-    return show
-
-
 class Streamer:
     """Prints tokens as they come; tokens from accepted drafts in color (or [brackets])."""
 
@@ -145,8 +139,7 @@ class Streamer:
         sys.stdout.flush()
 
     def finish(self) -> None:
-        """The bytes of a character cut by the last token, then the end of the line (the
-        shell's prompt on a line of its own)."""
+        """A character cut by the last token, then the end of the line (the shell's prompt's)."""
         print(self.decoder.decode(b"", final=True))
 
 
@@ -293,8 +286,12 @@ def check_flags(p, args) -> None:
                 "tokenizer and nothing worth decoding")
     check_together(p, args)
     check_ranges(p, args)
-    if args.json not in (None, "-"):
-        check_writable(p, "--json", args.json)
+    if args.json not in (None, "-"):            # its folder must take files: found now, not after
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if os.path.isdir(args.json):
+            p.error(f"--json {args.json}: a folder; give a file name")
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            p.error(f"--json {args.json}: cannot write into {folder}")
     if args.cache_dir:
         try:                                    # made now: it is where the model is written
             os.makedirs(args.cache_dir, exist_ok=True)
@@ -335,8 +332,7 @@ def check_together(p, args) -> None:
         return
     need = [f for f, v in (("--methods", args.methods), ("--categories", args.categories),
                            ("--limit", args.limit), ("--per-category", args.per_category),
-                           ("--plot", args.plot),
-                           ("--peers", args.peers or None)) if v is not None]
+                           ("--plot", args.plot), ("--peers", args.peers or None)) if v is not None]
     if len(args.temperature) > 1:
         need.append("several --temperature values")
     if need:
@@ -346,13 +342,12 @@ def check_together(p, args) -> None:
         p.error("--verify-curve times the target alone: not with --bench or --method")
     if args.show_tree and method == "ar":
         p.error("--show-tree draws the draft trees of a speculative --method; ar has none")
-    for flag, value, methods in (("--num-speculative-tokens", args.num_speculative_tokens,
-                                  METHODS[1:]),
-                                 ("--draft-top-k", args.draft_top_k, ["eagle2", "eagle2+ngram",
-                                                                      "eagle3"]),
-                                 ("--tree-size", args.tree_size, list(HEAD_KIND)),
-                                 ("--ngram-max", args.ngram_max, ["ngram", "eagle2+ngram"]),
-                                 ("--draft", args.draft, ["draft", "draft-chain"])):
+    for flag, value, methods in (
+            ("--num-speculative-tokens", args.num_speculative_tokens, METHODS[1:]),
+            ("--draft-top-k", args.draft_top_k, ["eagle2", "eagle2+ngram", "eagle3"]),
+            ("--tree-size", args.tree_size, list(HEAD_KIND)),
+            ("--ngram-max", args.ngram_max, ["ngram", "eagle2+ngram"]),
+            ("--draft", args.draft, ["draft", "draft-chain"])):
         if value is not None and method not in methods:     # else silently without effect
             p.error(f"{flag} does not apply to --method {method}; it shapes "
                     f"{', '.join(methods)}")
@@ -375,15 +370,6 @@ def check_ranges(p, args) -> None:
             p.error(f"{flag} must be at least {least}, got {value}")
         if value is not None and value > MOST.get(flag, value):
             p.error(f"{flag} must be at most {MOST[flag]}, got {value}")
-
-
-def check_writable(p, flag: str, path: str) -> None:
-    """An output file's folder must exist and take files: found now, not after the run."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        p.error(f"{flag} {path}: a folder; give a file name")
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        p.error(f"{flag} {path}: cannot write into {folder}")
 
 
 def tree_size(text: str):

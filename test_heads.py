@@ -573,7 +573,7 @@ def test_draft_over_a_reduced_vocabulary_drafts_its_best_token_and_stays_lossles
     with pytest.raises(LoadError, match="below the vocabulary size"):
         load_draft_vocab(str(tmp_path / "d"), V)
     (tmp_path / "d" / "draft_vocab.json").write_text("[1, 2,")             # cut off mid-write
-    with pytest.raises(LoadError, match="draft_vocab.json: not JSON"):
+    with pytest.raises(LoadError, match="draft_vocab.json is not valid JSON"):
         load_draft_vocab(str(tmp_path / "d"), V)
 
 

@@ -37,15 +37,11 @@ class TokenizerError(ValueError):
 
 def gpt2_byte_decoder() -> dict:
     """GPT-2's table from the printable unicode stand-ins back to raw bytes."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
-    chars, n = list(printable), 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]        # stand-ins from 256 on
+    return {chr(c): b for b, c in zip(printable + others,
+                                      printable + list(range(256, 256 + len(others))))}
 
 
 def pattern_from_pre_tokenizer(pre: dict | None) -> str:
@@ -178,10 +174,9 @@ def render_chat(template: str, turns: list, tokens: dict) -> str:
         raise TokenizerError(f"the checkpoint's chat template failed: {e}") from None
 
 
-def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+def tojson(x, ensure_ascii=False, **options) -> str:     # indent, separators, sort_keys
     """transformers' tojson filter: non-ASCII kept unless asked (jinja2's own escapes HTML)."""
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(x, ensure_ascii=ensure_ascii, **options)
 
 
 def refuse_chat(message: str):
@@ -229,12 +224,8 @@ def load_tokenizer(folder: str) -> Tokenizer:
             raise TokenizerError(f"{hf_path}: not a Hugging Face tokenizer file (no {e})") from None
         pattern = pattern_from_pre_tokenizer(data.get("pre_tokenizer"))
     elif os.path.isfile(meta_path):
-        ranks = {}
-        with open(meta_path) as f:
-            for line in f:
-                if line.strip():
-                    token, rank = line.split()
-                    ranks[base64.b64decode(token)] = int(rank)
+        with open(meta_path) as f:                  # a base64 token and its rank a line
+            ranks = {base64.b64decode(t): int(r) for t, r in (ln.split() for ln in f if ln.strip())}
         specials = {name: len(ranks) + i for i, name in enumerate(LLAMA3_SPECIALS)}
         pattern = LLAMA3_PATTERN
     else:

@@ -273,16 +273,14 @@ def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) 
         record = os.path.join(args.init, "training.json")
         info = info | {"init": {"folder": os.path.abspath(args.init), "training": read_json(
             record, "training.json") if os.path.isfile(record) else None}}
-    if args.method == "eagle":
-        def loss_fn(seqs):
-            return eagle_loss(head, target.embed, proj, make_batch(seqs).to(device))
-    elif args.method == "eagle3":                       # its recipe: no feature loss
-        def loss_fn(seqs):
-            b = eagle3_batch(make_batch(seqs).to(device), proj.shape[1])
-            return eagle_loss(head, target.embed, proj, b, feature_weight=0)
-    else:
-        def loss_fn(seqs):
-            return medusa_loss(head, proj, make_batch(seqs).to(device))
+    def loss_fn(seqs):
+        b = make_batch(seqs).to(device)
+        if args.method == "medusa":
+            return medusa_loss(head, proj, b)
+        if args.method == "eagle3":                     # its recipe: no feature loss
+            return eagle_loss(head, target.embed, proj, eagle3_batch(b, proj.shape[1]),
+                              feature_weight=0)
+        return eagle_loss(head, target.embed, proj, b)
     record = train(head, loss_fn, train_seqs, tc, args.out)
     if args.init and args.wise < 1:
         interpolate(head, init_head(args, target)[0], args.wise)
@@ -300,11 +298,9 @@ def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) 
 def new_head(args, target, train_seqs: list, stop_ids) -> tuple:
     """-> (head, HeadConfig): residual blocks that start as the identity (Medusa) or a fresh
     EAGLE layer, over the draft vocabulary of these sequences (or of the run being resumed)."""
-    ckpt = os.path.join(args.out, CHECKPOINT)
-    if os.path.exists(ckpt):                 # resuming: the vocabulary the run started with
-        vocab = load_file(ckpt)["head.vocab_ids"]
-    else:
-        vocab = draft_vocabulary(train_seqs, args.draft_vocab, stop_ids)
+    ckpt = os.path.join(args.out, CHECKPOINT)   # resuming: the vocabulary the run started with
+    vocab = (load_file(ckpt)["head.vocab_ids"] if os.path.exists(ckpt) else
+             draft_vocabulary(train_seqs, args.draft_vocab, stop_ids))
     c = target.config
     config = HeadConfig(args.method, c.hidden_size, c.vocab_size, len(vocab), args.heads,
                         eagle_layer_config(c) if args.method != "medusa" else {},

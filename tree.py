@@ -30,9 +30,8 @@ def make_tree(tokens, parents, scores=None) -> Tree:
     depths = torch.zeros_like(parents)
     for n in range(1, parents.shape[0]):          # a parent comes before its children
         depths[n] = depths[parents[n]] + 1
-    if scores is None:
-        scores = torch.zeros(tokens.shape[0], device=tokens.device)
-    return Tree(tokens, parents, depths, scores)
+    return Tree(tokens, parents, depths,
+                torch.zeros(tokens.shape[0], device=tokens.device) if scores is None else scores)
 
 
 def chain(root: int, tokens) -> Tree:
