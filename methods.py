@@ -25,12 +25,14 @@ from tree import static_tree
 
 METHODS = ["ar", "draft", "draft-chain", "ngram", "medusa", "eagle", "eagle2", "eagle2+ngram",
            "eagle3"]
-PARALLEL_DEPTH = 4                     # a parallel draft's block (docs/RESULTS.md)
+PARALLEL_DEPTH = 3                     # a parallel draft's block: 4 rows verified, which the
+                                       # int4 kernel charges little more than 2 (docs/RESULTS.md)
 # (depth, top-k, tree size) per method, measured (docs/RESULTS.md): auto beat every fixed tree
 # size tried for the head methods; with 5-node trees a 4th EAGLE-2 round rarely pays; ngram's 3
 # is its most tokens (a match of n of ngram_max tokens drafts n / ngram_max of them); the
 # distilled draft's second token is accepted in 9% of steps, for a forward of its own each
-# (draft-chain); a parallel draft drafts its block in one forward
+# (draft-chain, and draft where its folder names no mask token); a parallel draft drafts its
+# block in one forward
 TREE_DEFAULTS = {"draft": (PARALLEL_DEPTH, 1, 0), "draft-chain": (1, 1, 0), "ngram": (3, 1, 0),
                  "medusa": (4, 1, "auto"), "eagle": (5, 1, "auto"), "eagle2": (3, 4, "auto"),
                  "eagle2+ngram": (3, 4, "auto"), "eagle3": (3, 4, "auto")}
@@ -76,6 +78,8 @@ class MethodConfig:
 def method_config(method: str, depth=None, top_k=None, tree_size=None, **options) -> MethodConfig:
     """MethodConfig with the method's measured depth, top-k and tree size where None is given."""
     d, k, s = TREE_DEFAULTS.get(method, (4, 1, 0))
+    if method == "draft" and check_draft_folder(draft_folder(options.get("draft"))) is None:
+        d = TREE_DEFAULTS["draft-chain"][0]      # no mask token in its folder: it drafts a chain
     return MethodConfig(method, depth or d, top_k or k, s if tree_size is None else tree_size,
                         **options)
 
@@ -236,7 +240,7 @@ def build_draft(mc: MethodConfig, path: str, target, tokenizer, slots: int) -> t
     vocabulary (draft_vocab.json) where it has one; `draft` drafts its block in one forward
     where its config.json names a mask token (pard_token: a parallel draft), draft-chain a
     forward a token."""
-    folder = mc.draft or os.path.join(WEIGHTS, "smollm2-135m-draft")
+    folder = draft_folder(mc.draft)
     mask_id = check_draft_folder(folder, target.config.vocab_size)
     mask_id = mask_id if mc.method == "draft" else None
     why = tokenizer.same_as(load_tokenizer(folder))
@@ -262,6 +266,10 @@ def build_draft(mc: MethodConfig, path: str, target, tokenizer, slots: int) -> t
         folder += f" (greedy drafts over {len(vocab):,} tokens)"
     return proposer, {"draft": folder, "draft_params": params, "parallel": mask_id is not None,
                       "draft_memory_mb": round(extra / 2**20, 1)}
+
+
+def draft_folder(draft: str | None) -> str:
+    return draft or os.path.join(WEIGHTS, "smollm2-135m-draft")      # None: the shipped draft
 
 
 def check_draft_folder(folder: str, vocab_size: int | None = None):

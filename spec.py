@@ -154,8 +154,8 @@ def decoding_flags(p) -> None:
     """What to decode and how: the method, the prompt, sampling, what is shown."""
     p.add_argument("--method", choices=METHODS,
                    help="decoding method: ar = plain decoding, draft = draft-model speculation "
-                        "(a parallel draft's block in one forward), draft-chain = the same draft "
-                        "a forward a token, "
+                        "(a parallel draft's block in one forward where its folder names a mask "
+                        "token, else a chain), draft-chain = the same draft a forward a token, "
                         "ngram = prompt lookup (the continuation of an earlier match), medusa = "
                         "Medusa heads, eagle = EAGLE head with a static tree, eagle2 = EAGLE head "
                         "with EAGLE-2's dynamic tree, eagle2+ngram = that tree plus the prompt "
@@ -225,7 +225,8 @@ def model_flags(p) -> None:
 def draft_flags(p) -> None:
     """What drafts and how much: draft model, heads, tree shapes."""
     p.add_argument("--draft", help="draft model: a HF Llama folder with the target's tokenizer "
-                                   "(default: the distilled draft in weights/)")
+                                   "(default: the distilled draft in weights/); a parallel draft where its "
+                                   "config.json names a mask token (pard_token, as vLLM's PARD)")
     p.add_argument("--head", action="append", default=[], metavar="DIR",
                    help="head folder (train_heads.py's --out, or a published EAGLE-3 head in "
                         "SpecForge's format): Medusa's for medusa, EAGLE's or EAGLE-3's for "

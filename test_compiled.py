@@ -74,18 +74,19 @@ def test_a_compiled_draft_model_drafts_what_it_drafts_eager(target):
     """The draft model's step compiled (without the vocabulary projection, which the proposer
     makes): the same chains as eager drafting, and compiled plain decoding's text. The target
     drafts for itself, so chains are accepted whole and the 2-token step (pending and root)
-    runs too."""
+    runs too; as a parallel draft (a mask token), its steps of 2 and 4 tokens."""
     gen, slots = GenConfig(max_new_tokens=30), 128
     fast = Compiled(target, (1, TREE))
     plain = generate_ar(fast, SHORT, gen).token_ids
-    drafts = []
-    for draft in (target, Compiled(target, (1, 2), slots, project=False).warm_up()):
-        chains = []
-        spec = generate_spec(fast, DraftModelProposer(draft, 2, slots), SHORT, gen,
-                             on_step=lambda tree, *_: chains.append(tree.tokens.tolist()))
-        assert spec.token_ids == plain and sum(spec.accepted) >= 15
-        drafts.append(chains)
-    assert drafts[0] == drafts[1]
+    for mask, sizes in ((None, (1, 2)), (3, (2, 4))):
+        drafts = []
+        for draft in (target, Compiled(target, sizes, slots, project=False).warm_up()):
+            chains = []
+            spec = generate_spec(fast, DraftModelProposer(draft, 2, slots, mask_id=mask), SHORT,
+                                 gen, on_step=lambda tree, *_: chains.append(tree.tokens.tolist()))
+            assert spec.token_ids == plain and sum(spec.accepted) >= (15 if mask is None else 1)
+            drafts.append(chains)
+        assert drafts[0] == drafts[1], f"mask {mask}"
 
 
 def test_compiled_medusa_heads_draft_what_they_draft_eager(target):

@@ -724,6 +724,11 @@ def test_a_folder_naming_a_mask_token_drafts_blocks_under_draft_and_chains_under
     assert runs["draft"]["drafted_per_step"] == PARALLEL_DEPTH
     assert runs["draft-chain"]["drafted_per_step"] == 1
     assert runs["draft"]["token_ids"] == runs["draft-chain"]["token_ids"] == runs["ar"]["token_ids"]
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(config))   # no mask token: a chain
+    spec.main(["--model", str(tmp_path / "target"), "--method", "draft", "--raw", "--prompt",
+               "a b c", "--max-new-tokens", "12", "--json", "--draft", str(tmp_path / "draft")])
+    chain = json.loads(capsys.readouterr().out)
+    assert not chain["parallel"] and chain["drafted_per_step"] == 1
 
 
 def test_pard_training_teaches_the_masks_and_saves_the_mask_token(tmp_path):
