@@ -215,11 +215,12 @@ def test_a_draft_without_its_embedding_exports_as_a_whole_folder_transformers_lo
     hf = hf_checkpoint(tmp_path / "target")
     target = load_model(str(tmp_path / "target"), torch.float32)
     train_heads.save_draft(train_heads.init_draft(target, 1), str(tmp_path / "target"),
-                           str(tmp_path / "draft"), embeddings=False)
+                           str(tmp_path / "draft"), embeddings=False, pard_token=3)
     argv = ["export", str(tmp_path / "draft"), str(tmp_path / "whole"), "--format", "hf",
             "--model", str(tmp_path / "target"), "--cache-dir", str(tmp_path / "cache")]
     train_heads.main(argv)
     whole = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "whole")).float()
+    assert whole.config.pard_token == 3                     # a parallel draft's mask token travels
     embed = hf.model.embed_tokens.weight.float()            # the target's, as the target stores it
     assert torch.equal(whole.model.embed_tokens.weight, embed)
     ours = load_model(str(tmp_path / "whole"), torch.float32)
