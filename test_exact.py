@@ -569,6 +569,27 @@ def test_every_method_reproduces_plain_decoding_on_the_default_model(runs, flags
 
 
 @pytest.mark.slow
+def test_a_parallel_draft_reproduces_plain_decoding_in_every_form(runs, tmp_path):
+    """The shipped draft given a mask token drafts its block in ONE forward (its masks are
+    untrained, so nearly every block is cut after its first token: rejection at each place):
+    greedy is plain decoding's text with the default int4 weights, bf16 float ones and float32."""
+    import shutil
+    from methods import WEIGHTS
+    folder = tmp_path / "parallel"
+    shutil.copytree(os.path.join(WEIGHTS, "smollm2-135m-draft"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"pard_token": 16}))
+    for flags in ((), ("--weights", "float"), ("--dtype", "float32")):
+        plain = run_all(runs, "ar", flags, PROMPTS[1], 32).token_ids
+        parallel = (*flags, "--draft", str(folder))
+        out = run_all(runs, "draft", parallel, PROMPTS[1], 32)
+        assert runs("draft", *parallel)[3].mask_id == 16
+        assert out.token_ids == plain, f"{flags}: differs at token " \
+            f"{next(i for i, (a, b) in enumerate(zip(out.token_ids + [-1], plain)) if a != b)}"
+        assert sum(out.accepted) > 0, flags
+
+
+@pytest.mark.slow
 def test_seeded_sampling_gives_plain_samplings_text_whatever_the_tree(runs):
     """At temperature 0.8 the target's token at position t is drawn from p at uniform(seed, t):
     every method whose drafts are deterministic (all but the draft model, which samples its
