@@ -275,6 +275,8 @@ def draft_folder(draft: str | None) -> str:
 def check_draft_folder(folder: str, vocab_size: int | None = None):
     """A clear error for a folder that is no draft model (a head's folder, say) -> its mask
     token (pard_token) where it is a parallel draft, else None."""
+    if not os.path.isdir(folder):
+        raise LoadError(f"{folder}: not a folder (a draft is a HF Llama folder)")
     if not os.path.isfile(f"{folder}/model.safetensors"):
         raise LoadError(f"{folder}: no model.safetensors; is this a draft folder?")
     config = read_json(f"{folder}/config.json", "the draft's config")

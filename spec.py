@@ -234,7 +234,8 @@ def draft_flags(p) -> None:
                         "(default: the heads in weights/, for the default model)")
     p.add_argument("--num-speculative-tokens", type=int,
                    help="draft depth: tokens proposed along each path per step (default per "
-                        "method: " + ", ".join(f"{m} {d[0]}" for m, d in TREE_DEFAULTS.items()) + ")")
+                        "method: " + ", ".join(f"{m} {d[0]}" for m, d in TREE_DEFAULTS.items()) +
+                        "; draft 1 where its folder names no mask token, as the shipped one)")
     p.add_argument("--draft-top-k", type=int,
                    help="eagle2, eagle2+ngram, eagle3: children per expanded draft node (default " +
                         str(TREE_DEFAULTS["eagle2"][1]) + ")")

@@ -112,6 +112,8 @@ SPEC_CASES = [
     (["--model", "{no tokenizer}"], "no tokenizer.json or original/tokenizer.model"),
     (["--model", "{good}", "--method", "draft", "--draft", "{cut weights}"],
      "cannot read {cut weights}/model.safetensors (truncated or corrupt?)"),
+    (["--model", "{good}", "--method", "draft", "--draft", "README.md"],
+     "README.md: not a folder (a draft is a HF Llama folder)"),
     (["--model", "{good}", "--method", "draft", "--draft", "{bad mask}"],
      "{bad mask}/config.json: pard_token 99999 is no token id of the target's vocabulary"),
     (["--model", "{good}", "--method", "draft", "--draft", f"{WEIGHTS}/smollm2-135m-eagle3"],
