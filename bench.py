@@ -18,9 +18,8 @@ from tqdm import tqdm
 from checkpoint import write_whole
 from decode import PHASES, GenConfig, Result, acceptance_by_position
 from costs import forward_costs
-from default_model import WEIGHTS
 from export import export_draft
-from methods import TargetConfig, load_target, module_bytes
+from methods import TargetConfig, draft_folder, load_target, module_bytes
 
 
 COMPILED = "+compile"                # --bench --compile: the compiled twin of each method
@@ -165,8 +164,7 @@ def format_tables(summary: dict, methods: list) -> str:
              f"{'+MB':>8}{'+%':>7}{'identical':>11}"]
     for m, s in summary["methods"].items():
         lines.append(f"{m:<21}{s['config']:<{wide}}{s['tau']:6.2f}{s['tokens_per_s']:9.1f}"
-                     f"{s['speedup']:8.2f}x"
-                     f"{s['memory_mb']:8.1f}{s['memory_pct']:6.1f}%"
+                     f"{s['speedup']:8.2f}x{s['memory_mb']:8.1f}{s['memory_pct']:6.1f}%"
                      f"{s['identical'][0]:>6}/{s['identical'][1]}")
     width = {m: max(16, len(m) + 2) for m in methods}          # a column per method
     lines += ["", "tau / speedup per category", f"{'category':<16}" +
@@ -343,7 +341,7 @@ def peer_decoder(bc: BenchConfig, name: str, loaded: tuple, gen: GenConfig,
     elif name == "hf-assisted":
         with tempfile.TemporaryDirectory() as tmp:      # a whole HF folder, for transformers
             folder = os.path.join(tmp, "draft")
-            export_draft(bc.draft or os.path.join(WEIGHTS, "smollm2-135m-draft"), path, folder)
+            export_draft(draft_folder(bc.draft), path, folder)
             # its own copy: generate() adapts the assistant's draft length in its generation_config
             helper = hf_model(folder, dtype, device, {})[0]
         options["assistant_model"] = helper

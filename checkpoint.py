@@ -7,6 +7,7 @@ EAGLE-3 heads in SpecForge's format) read into heads.py's modules.
 import json
 import os
 import uuid
+from contextlib import suppress
 from dataclasses import asdict
 
 import torch
@@ -33,16 +34,15 @@ def config_from_hf(hf: dict) -> LlamaConfig:
     rs = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     theta = rs.get("rope_theta", hf.get("rope_theta", 10000.0))
     scaling = None
-    if rs:
-        kind = rs.get("rope_type", rs.get("type", "default"))
-        if kind == "llama3":
-            fields = ("factor", "low_freq_factor", "high_freq_factor",
-                      "original_max_position_embeddings")
-            if any(f not in rs for f in fields):
-                raise LoadError(f"rope_scaling llama3 needs {', '.join(fields)}")
-            scaling = RopeScaling(*(rs[f] for f in fields))
-        elif kind != "default":
-            raise LoadError(f"unsupported rope_scaling type {kind!r}: only 'llama3' and none")
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "llama3":
+        fields = ("factor", "low_freq_factor", "high_freq_factor",
+                  "original_max_position_embeddings")
+        if any(f not in rs for f in fields):
+            raise LoadError(f"rope_scaling llama3 needs {', '.join(fields)}")
+        scaling = RopeScaling(*(rs[f] for f in fields))
+    elif kind != "default":
+        raise LoadError(f"unsupported rope_scaling type {kind!r}: only 'llama3' and none")
     try:
         return LlamaConfig(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
                            intermediate_size=hf["intermediate_size"],
@@ -137,8 +137,7 @@ def read_safetensors(files: list, dtype) -> dict:
             raise LoadError(f"weight file not found: {path}")
         try:
             with safe_open(path, framework="pt") as f:
-                for name in f.keys():
-                    tensors[name] = f.get_tensor(name).to(dtype)
+                tensors |= {name: f.get_tensor(name).to(dtype) for name in f.keys()}
         except (SafetensorError, OSError, RuntimeError) as e:
             raise LoadError(f"cannot read {path} (truncated or corrupt?): {e}") from None
     return tensors
@@ -235,10 +234,8 @@ def save_tensors(tensors: dict, path: str, metadata: dict | None = None) -> None
 
     def write(tmp):
         save_file(tensors, tmp, metadata=metadata)
-        try:
+        with suppress(OSError):            # a file system without modes: it stays as written
             os.chmod(tmp, folder & 0o444 | 0o600)
-        except OSError:                    # a file system without modes: it stays as written
-            pass
     write_whole(path, write)
 
 
@@ -253,10 +250,8 @@ def place_folder(built: str, folder: str, aside: str) -> bool:
         except OSError:                    # folder exists and is not empty
             if os.path.isfile(os.path.join(folder, "model.safetensors")):
                 return False
-            try:
+            with suppress(FileNotFoundError):      # another process moved it meanwhile
                 os.rename(folder, f"{aside}{attempt}")
-            except FileNotFoundError:      # another process moved it meanwhile
-                pass
     raise OSError(f"{folder}: could not be replaced")
 
 

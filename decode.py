@@ -74,13 +74,13 @@ def check_room(model, prompt_ids: list, gen: GenConfig, extra: int = 0) -> int:
     return min(n + gen.max_new_tokens + extra + 1, ctx + extra + 1)
 
 
-def plain_step(model, ids, pos, cache, gen: GenConfig) -> int:
-    """One target forward over ids (1, T) at positions pos -> the target's token after the last:
-    its argmax, or its draw keyed on the position it will take."""
+def plain_step(model, ids, pos, cache, gen: GenConfig, taps=()) -> tuple:
+    """One target forward over ids (1, T) at positions pos -> (the target's token after the
+    last: its argmax, or its draw keyed on the position it will take; features (1, T, C))."""
     taken = cache.length + ids.shape[1]    # the position it takes: in plain decoding, its slot
-    logits, _ = model(ids, pos, cache, last_only=True)
+    logits, hidden = model(ids, pos, cache, last_only=True, taps=taps)
     u = draws(gen, [taken])
-    return int(next_tokens(logits[0, -1], gen.temperature, gen.top_p, u))
+    return int(next_tokens(logits[0, -1], gen.temperature, gen.top_p, u)), hidden
 
 
 @torch.inference_mode()
@@ -92,7 +92,7 @@ def generate_ar(model, prompt_ids: list, gen: GenConfig, stop_ids=(), on_tokens=
     ids = torch.tensor([prompt_ids], device=device)
     pos = torch.arange(len(prompt_ids), device=device)[None]
     while True:
-        token = plain_step(model, ids, pos, cache, gen)
+        token, _ = plain_step(model, ids, pos, cache, gen)
         result.target_forwards += 1
         _, done = take(result, [token], [False], stop_ids, gen.max_new_tokens, on_tokens)
         if done or cache.length >= model.config.max_positions:
@@ -131,12 +131,9 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
     limit = min(gen.max_new_tokens, ctx - len(prompt_ids) + 1)
     result, t0 = Result(), time.perf_counter()
     taps = getattr(proposer, "taps", ())       # the features an EAGLE-3 head reads
-    logits, hidden = target(torch.tensor([prompt_ids], device=device),
-                            torch.arange(len(prompt_ids), device=device)[None], cache,
-                            last_only=True, taps=taps)
+    root, hidden = plain_step(target, torch.tensor([prompt_ids], device=device),
+                              torch.arange(len(prompt_ids), device=device)[None], cache, gen, taps)
     result.target_forwards = 1
-    u = draws(gen, [len(prompt_ids)])                                 # the first new position
-    root = int(next_tokens(logits[0, -1], gen.temperature, gen.top_p, u))
     _, done = take(result, [root], [False], stop_ids, limit, on_tokens)
     proposer.start(prompt_ids, hidden[0])
     t = time.perf_counter()
@@ -169,7 +166,7 @@ def generate_spec(target, proposer, prompt_ids: list, gen: GenConfig, stop_ids=(
         root = bonus                                 # the next step's tree grows from it
         t = lap(result, "other", t)
     while not done:                  # the context's last positions: too few for a whole tree
-        root = plain_step(target, torch.tensor([[root]], device=device),
+        root, _ = plain_step(target, torch.tensor([[root]], device=device),
                           torch.tensor([[cache.length]], device=device), cache, gen)
         result.target_forwards += 1
         _, done = take(result, [root], [False], stop_ids, limit, on_tokens)

@@ -40,15 +40,11 @@ GGUF_TO_HF = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "
               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 
 
-def cache_dir(override: str | None = None) -> str:
-    """--cache-dir, else $SPEC_CACHE_DIR, else ~/.cache/spec-decode."""
-    return override or os.environ.get(CACHE_ENV) or os.path.join(
-        os.path.expanduser("~"), ".cache", "spec-decode")
-
-
 def default_model_path(cache: str | None = None) -> str:
-    """The converted default model's folder, converting it first if it is not there yet."""
-    folder = os.path.join(cache_dir(cache), FOLDER_NAME)
+    """The converted default model's folder, in `cache` (--cache-dir), else $SPEC_CACHE_DIR,
+    else ~/.cache/spec-decode; converted first if it is not there yet."""
+    root = cache or os.environ.get(CACHE_ENV) or os.path.expanduser("~/.cache/spec-decode")
+    folder = os.path.join(root, FOLDER_NAME)
     if not os.path.isfile(os.path.join(folder, "model.safetensors")):
         convert(folder)
     return folder
@@ -71,10 +67,8 @@ def gguf_tensors(reader, n_head: int, n_kv_head: int):
     for t in reader.tensors:
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         name = hf_name(t.name)
-        if name.endswith("q_proj.weight"):
-            w = unpermute(w, n_head)
-        elif name.endswith("k_proj.weight"):
-            w = unpermute(w, n_kv_head)
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            w = unpermute(w, n_head if "q_proj" in name else n_kv_head)
         yield name, w
 
 
@@ -114,7 +108,7 @@ def bpe_tokenizer_json(vocab: dict, merges: list, added: list, pre_tokenizer: di
                       "vocab": vocab, "merges": merges}}
 
 
-def hf_tokenizer(reader) -> tuple:
+def hf_tokenizer(reader, hf: dict) -> tuple:
     """tokenizer.json and tokenizer_config.json for the GGUF's byte-level BPE vocabulary.
 
     The pre-tokenizer is SmolLM2's original one (digits split one by one, then ByteLevel)."""
@@ -127,11 +121,9 @@ def hf_tokenizer(reader) -> tuple:
     digits = {"type": "Digits", "individual_digits": True}
     tokenizer = bpe_tokenizer_json({t: i for i, t in enumerate(tokens)}, list(merges), added,
                                    {"type": "Sequence", "pretokenizers": [digits, BYTE_LEVEL]})
-    eos = tokens[reader.fields["tokenizer.ggml.eos_token_id"].contents()]
     config = {"chat_template": reader.fields["tokenizer.chat_template"].contents(),
-              "eos_token": eos, "bos_token": tokens[reader.fields[
-                  "tokenizer.ggml.bos_token_id"].contents()], "add_bos_token": False,
-              "tokenizer_class": "GPT2Tokenizer", "model_max_length": 8192}
+              "eos_token": tokens[hf["eos_token_id"]], "bos_token": tokens[hf["bos_token_id"]],
+              "add_bos_token": False, "tokenizer_class": "GPT2Tokenizer", "model_max_length": 8192}
     return tokenizer, config
 
 
@@ -173,7 +165,7 @@ def write_hf_folder(gguf_path: str, out: str) -> None:
         gguf_tensors(reader, config["num_attention_heads"], config["num_key_value_heads"]),
         total=len(reader.tensors), desc="dequantizing", unit="tensor", file=sys.stderr)}
     save_tensors(tensors, os.path.join(out, "model.safetensors"), {"format": "pt"})
-    tokenizer, tok_config = hf_tokenizer(reader)
+    tokenizer, tok_config = hf_tokenizer(reader, config)
     for name, obj in [("config.json", config), ("tokenizer.json", tokenizer),
                       ("tokenizer_config.json", tok_config)]:
         with open(os.path.join(out, name), "w") as f:
@@ -209,10 +201,9 @@ def convert(folder: str) -> None:
     remove_stale_work(parent)
     work = tempfile.mkdtemp(prefix=".convert-", dir=parent)
     try:
-        gguf_path = fetch_gguf(work)
         out = os.path.join(work, FOLDER_NAME)
         os.mkdir(out)
-        write_hf_folder(gguf_path, out)
+        write_hf_folder(fetch_gguf(work), out)
         if place_folder(out, folder, os.path.join(work, "old")):   # else another process's
             print(f"Default model written to {folder}", file=sys.stderr)
     finally:

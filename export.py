@@ -16,11 +16,9 @@ import time
 from dataclasses import replace
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from checkpoint import (borrowed_embeddings, folder_config, load_head, read_head_config, read_json,
-                        save_tensors, to_hf_names, write_json)
+                        read_safetensors, save_tensors, to_hf_names, write_json)
 from heads import EAGLE_ROPE_THETA, Eagle3Head, EagleHead, HeadConfig, eagle3_taps
 from model import LlamaConfig, LoadError
 
@@ -93,11 +91,9 @@ def eagle_tensors(head: EagleHead, embed: torch.Tensor) -> dict:
     unused = torch.ones(layer.hidden_size)      # to_hf_names wants the norms a Llama has
     ours = {"embed.weight": embed, "norm.weight": unused, "layers.0.attn_norm.weight": unused}
     ours |= {"layers.0." + k: v for k, v in head.layers[0].state_dict().items()}
-    hf = to_hf_names(ours, layer)
-    for k in ("model.norm.weight", "model.layers.0.input_layernorm.weight"):
-        del hf[k]
-    tensors = {k.removeprefix("model."): v for k, v in hf.items()}
-    tensors |= {"fc.weight": head.fc.weight, "fc.bias": head.fc.bias}
+    dummies = ("model.norm.weight", "model.layers.0.input_layernorm.weight")
+    tensors = {k.removeprefix("model."): v for k, v in to_hf_names(ours, layer).items()
+               if k not in dummies} | {"fc.weight": head.fc.weight, "fc.bias": head.fc.bias}
     return {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in tensors.items()}
 
 
@@ -179,11 +175,7 @@ def export_draft(draft_dir: str, target_folder: str, out: str, force: bool = Fal
         raise LoadError(f"{draft_dir}: a draft of hidden size {draft.get('hidden_size')} and vocab "
                         f"{draft.get('vocab_size')}, but the target {target_folder} has "
                         f"{target.get('hidden_size')} and {target.get('vocab_size')}")
-    weights = os.path.join(draft_dir, "model.safetensors")
-    try:
-        tensors = load_file(weights)
-    except (OSError, SafetensorError) as e:
-        raise LoadError(f"{weights}: cannot read it ({e})") from None
+    tensors = read_safetensors([os.path.join(draft_dir, "model.safetensors")], None)  # as stored
     if "model.embed_tokens.weight" not in tensors:           # the target's, as it stores them
         tensors |= borrowed_embeddings(draft_dir, folder_config(draft_dir), target_folder)
 

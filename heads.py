@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from kernel import attention_mask, round_up
-from model import MLP, Attention, Block, KVCache, LlamaConfig, RMSNorm, Rope, cache_dtype
+from model import MLP, Attention, Block, KVCache, LlamaConfig, RMSNorm, Rope
 
 
 @dataclass
@@ -31,6 +31,8 @@ class HeadConfig:
     accuracy: list = field(default_factory=list)  # [depth][rank] measured P(correct | path so far)
     taps: list = field(default_factory=list)      # EAGLE-3: the target layers whose input it
                                  # reads (hidden_states indices); [] the default 2, N/2, N - 3
+    block: int = 0               # EAGLE-3 block head: tokens it learned to draft in one forward
+    mask_token: int | None = None   # the token its mask rows read (a block head's)
 
 
 class EagleHead(nn.Module):
@@ -66,9 +68,8 @@ class EagleHead(nn.Module):
         return x
 
     def new_cache(self, slots: int, batch: int = 1) -> KVCache:
-        w = next(self.parameters())     # a norm's or a bias: float in every weight form
-        return KVCache.allocate(self.layer_config, batch, slots, cache_dtype(w.dtype, w.device),
-                                w.device)
+        # a norm's weight or a bias: float in every weight form
+        return KVCache.allocate(self.layer_config, batch, slots, next(self.parameters()))
 
 
 class Eagle3Head(nn.Module):

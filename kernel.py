@@ -217,12 +217,9 @@ class RowCalls(nn.Module):
 
 
 def in_calls(f, x: torch.Tensor, rows: int) -> torch.Tensor:
-    """f over x (M, I) in calls of exactly `rows` rows, zero rows padding the last (0: one call).
-    Every call the library sees has one shape whatever the step's row count, so it takes one
-    kernel for every row; what is left to it (that a row's bits do not depend on the rows beside
-    it in its call) `check_rows` checks. One row a call leaves it nothing: exact by construction.
-    A call of more than PREFILL_QUERIES rows is a prefill, whose rows no other call computes (as
-    in `attend`): it goes whole."""
+    """f over x (M, I) in calls of exactly `rows` rows, zero rows padding the last (0: one call):
+    one shape whatever the step's row count (the module's docstring: why). A call of more than
+    PREFILL_QUERIES rows is a prefill, whose rows no other call computes (as in `attend`): whole."""
     M = x.shape[0]
     if rows == 0 or M == rows or M > PREFILL_QUERIES:
         return f(x)
@@ -434,8 +431,7 @@ class Compiled(nn.Module):
         # every cache as wide: a graph's input strides (and so the graph) depend on it too
         return self.model.new_cache(batch, cache_width(max(slots or 0, self.slots)))
 
-    def forward(self, tokens, positions, cache, mask=None, last_only=False, taps=(),
-                project=True):
+    def forward(self, tokens, positions, cache, mask=None, last_only=False, taps=(), project=True):
         n, start = tokens.shape[1], cache.length
         if n > self.sizes[-1]:                                        # a prefill
             return self.model(tokens, positions, cache, mask, last_only, project, taps)

@@ -50,8 +50,7 @@ class LlamaConfig:
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):            # from asdict (a head's config)
             self.rope_scaling = RopeScaling(**self.rope_scaling)
-        if self.head_dim == 0:
-            self.head_dim = self.hidden_size // self.num_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_heads
         if self.num_heads % self.num_kv_heads:
             raise LoadError(f"num_attention_heads={self.num_heads} is not a multiple of "
                             f"num_key_value_heads={self.num_kv_heads}")
@@ -108,15 +107,6 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x32, x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
-def cache_dtype(dtype: torch.dtype, device) -> torch.dtype:
-    """The dtype of the KV cache and of attention for a model in `dtype`: float32 for 16-bit
-    models on CPU, where attention's small matmuls run faster in float32 than in 16 bits, and a
-    float32 cache spares casting every cached key and value on every forward."""
-    if torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
-        return torch.float32
-    return dtype
-
-
 @dataclass
 class KVCache:
     """Preallocated keys and values for every layer, written by absolute slot. Each value
@@ -127,11 +117,14 @@ class KVCache:
     length: int = 0          # slots [0, length) hold the committed prefix
 
     @classmethod
-    def allocate(cls, config: LlamaConfig, batch: int, slots: int, dtype, device) -> "KVCache":
-        """At least `slots` slots, rounded up to whole blocks (attention reads whole blocks)."""
+    def allocate(cls, config: LlamaConfig, batch: int, slots: int, like) -> "KVCache":
+        """At least `slots` slots, rounded up to whole blocks (attention reads whole blocks), on
+        the device of weights `like`, in their dtype; float32 for 16-bit weights on CPU, where
+        attention's small matmuls run faster in float32 and a cached key is never cast again."""
         shape = (config.num_layers, batch, config.num_kv_heads, round_up(slots), config.head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device),
-                   with_ones(torch.zeros(shape, dtype=dtype, device=device)))
+        f32 = like.device.type == "cpu" and like.dtype in (torch.bfloat16, torch.float16)
+        zeros = torch.zeros(shape, dtype=torch.float32 if f32 else like.dtype, device=like.device)
+        return cls(zeros, with_ones(zeros))          # with_ones copies: no storage shared
 
     @property
     def slots(self) -> int:
@@ -249,16 +242,14 @@ class Llama(nn.Module):
             tapped += [x] if i in taps else []
             x = layer(x, cos, sin, cache.k[i], cache.v[i], start, seen, tail, self.alone)
         hidden = self.norm(x)
-        logits = (self.lm_head(hidden[:, -1:] if last_only else hidden)  # (B, T or 1, V)
-                  if project else None)
+        logits = self.lm_head(hidden[:, -1:] if last_only else hidden) if project else None
         cache.length = start + T
         tapped += [hidden] if len(self.layers) in taps else []       # N: the final one too
         return logits, torch.cat(tapped, -1) if taps else hidden
 
     def new_cache(self, batch: int = 1, slots: int | None = None) -> KVCache:
-        w = self.embed.weight
         return KVCache.allocate(self.config, batch, slots or self.config.max_positions,
-                                cache_dtype(w.dtype, w.device), w.device)
+                                self.embed.weight)
 
 
 class Rope(nn.Module):

@@ -13,7 +13,6 @@ kernel.py says why); the model's forward has no branch for them.
 int4 is llama.cpp's Q4_1 block: the default model gets its file's blocks back (`int4_blocks`).
 `load_quantized` keeps the packed form in a file beside the weights: packing is one-time work.
 """
-import os
 import sys
 
 import torch
@@ -88,8 +87,7 @@ class Int4Linear(RowCalls):
         d, m, q = int4_blocks(linear.weight.detach())
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         # the kernel's form: w = (q - 8) * scale + zero, as (I/G, O, 2)
-        zeros = m + 8 * d
-        scales_zeros = torch.stack([d, zeros], -1).transpose(0, 1).contiguous()
+        scales_zeros = torch.stack([d, m + 8 * d], -1).transpose(0, 1).contiguous()
         return cls(packed, scales_zeros.to(linear.weight.dtype), linear.bias)
 
     def sizes(self) -> tuple:
@@ -169,8 +167,6 @@ def load_quantized(folder: str, dtype, form: str, head_form: str, keep: str) -> 
     """load_model(folder) on the CPU in `form` (lm_head in `head_form`), read from the file
     `keep` (a named artifact beside the weights, deleted to pack again) where it holds that form
     for this torch and instruction set; else packed here (most of a start) and written there."""
-    # what makes a kept form invalid: the forms, and the torch and instruction set whose
-    # kernels' packed layout it holds
     stamp = {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(),
              "dtype": str(dtype), "forms": f"{form}/{head_form}"}
     model = read_kept(folder, keep, stamp, form, head_form)

@@ -78,7 +78,7 @@ def their_model(folder):
 def ours(head, embed, feats, next_tokens):
     """Our head's predicted features (T, C) for features (T, C) and the tokens they precede."""
     T = feats.shape[0]
-    cache = KVCache.allocate(head.layer_config, 1, 64, torch.float32, "cpu")
+    cache = KVCache.allocate(head.layer_config, 1, 64, torch.zeros(0))      # float32, CPU
     out = head(feats[None], embed[next_tokens][None], torch.arange(T)[None], cache)
     return out[0]
 

@@ -109,7 +109,7 @@ def test_sharded_checkpoint_loads_same_as_single_file(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_incremental_decoding_equals_full_forward(dtype):
-    # bf16 keeps a float32 cache and attends in float32 (model.cache_dtype): it must agree too.
+    # bf16 keeps a float32 cache and attends in float32 (KVCache.allocate): it must agree too.
     model = tiny_model().to(dtype)
     ids = [3, 14, 15, 9, 26, 5, 35, 8, 9, 7]
     with torch.no_grad():

@@ -101,8 +101,7 @@ def grow_tree(expand, root: int, depth: int, top_k: int, total: int, vocab_ids=N
 
     For `depth` rounds, expand the `top_k` nodes of the newest layer with the highest cumulative
     log-probability, each by its `top_k` most likely children (one batched `expand` per round);
-    then keep the `total` best nodes of everything drafted. A child never scores above its parent,
-    and a stable sort puts the parent first on a tie, so the kept nodes form a connected subtree.
+    then keep the `total` best nodes of everything drafted, a connected subtree (`best_nodes`).
 
     expand(frontier (F,) node indices, tree so far) -> (F, V) log-probabilities of their children,
     or (F, R) over a reduced draft vocabulary whose target ids are vocab_ids (R,).
@@ -149,30 +148,23 @@ def subtree(tree: Tree, kept: torch.Tensor) -> Tree:
     return Tree(tree.tokens[kept], parents, tree.depths[kept], tree.scores[kept])
 
 
-def follow(tree: Tree, tokens: list) -> tuple:
-    """Walk from the root along children with these tokens -> (the last node reached, how many
-    tokens matched)."""
+def add_chain(tree: Tree, tokens: list) -> Tree:
+    """The tree plus a chain of tokens from its root, sharing the prefix the tree already has
+    (a trie insert), the chain's nodes first (see `path_first`). No node gets two children
+    with the same token: the sampling rule draws one token per node and descends into THE
+    child equal to it."""
     toks, parents = tree.tokens.tolist(), tree.parents.tolist()
-    node, i = 0, 0
+    node, i = 0, 0                          # down the prefix of the chain the tree already has
     while i < len(tokens):
         child = next((c for c in range(len(toks)) if parents[c] == node and toks[c] == tokens[i]),
                      None)
         if child is None:
             break
         node, i = child, i + 1
-    return node, i
-
-
-def add_chain(tree: Tree, tokens: list) -> Tree:
-    """The tree plus a chain of tokens from its root, sharing the prefix the tree already has
-    (a trie insert), the chain's nodes first (see `path_first`). No node gets two children
-    with the same token: the sampling rule draws one token per node and descends into THE
-    child equal to it."""
-    node, i = follow(tree, tokens)
     if i < len(tokens):
         n = tree.size
-        tree = make_tree(tree.tokens.tolist() + list(tokens[i:]),
-                         tree.parents.tolist() + [node] + list(range(n, n + len(tokens) - i - 1)),
+        tree = make_tree(toks + list(tokens[i:]),
+                         parents + [node] + list(range(n, n + len(tokens) - i - 1)),
                          torch.cat([tree.scores, tree.scores.new_zeros(len(tokens) - i)]))
         node = tree.size - 1                             # the chain's last node
     return path_first(tree, node)
@@ -188,8 +180,7 @@ def path_first(tree: Tree, node: int) -> Tree:
     while node > 0:
         path.append(node)
         node = int(tree.parents[node])
-    on_path = set(path)
-    order = [0] + path[::-1] + [n for n in range(1, tree.size) if n not in on_path]
+    order = [0] + path[::-1] + [n for n in range(1, tree.size) if n not in path]
     return subtree(tree, torch.tensor(order))
 
 
