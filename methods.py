@@ -24,7 +24,7 @@ from tokenizer import load_tokenizer
 from tree import static_tree
 
 METHODS = ["ar", "draft", "draft-chain", "ngram", "medusa", "eagle", "eagle2", "eagle2+ngram",
-           "eagle3"]
+           "eagle3", "block"]
 PARALLEL_DEPTH = 3                     # a parallel draft's block: 4 rows verified, which the
                                        # int4 kernel charges little more than 2 (docs/RESULTS.md)
 # (depth, top-k, tree size) per method, measured (docs/RESULTS.md): auto beat every fixed tree
@@ -32,15 +32,17 @@ PARALLEL_DEPTH = 3                     # a parallel draft's block: 4 rows verifi
 # is its most tokens (a match of n of ngram_max tokens drafts n / ngram_max of them); the
 # distilled draft's second token is accepted in 9% of steps, for a forward of its own each
 # (draft-chain, and draft where its folder names no mask token); a parallel draft drafts its
-# block in one forward
+# block in one forward; a block head's third token was accepted on 0.02 of the steps (block 2
+# 1.13x ar, 3 1.08x)
 TREE_DEFAULTS = {"draft": (PARALLEL_DEPTH, 1, 0), "draft-chain": (1, 1, 0), "ngram": (3, 1, 0),
                  "medusa": (4, 1, "auto"), "eagle": (5, 1, "auto"), "eagle2": (3, 4, "auto"),
-                 "eagle2+ngram": (3, 4, "auto"), "eagle3": (3, 4, "auto")}
+                 "eagle2+ngram": (3, 4, "auto"), "eagle3": (3, 4, "auto"), "block": (2, 1, 0)}
 HEAD_KIND = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle", "eagle2+ngram": "eagle",
-             "eagle3": "eagle3"}
+             "eagle3": "eagle3", "block": "block"}
 # the head kinds each method's kind drafts with (the EAGLE methods: either layout); the last is
 # the kind of the head weights/ ships for it
-LAYOUTS = {"medusa": ("medusa",), "eagle": ("eagle", "eagle3"), "eagle3": ("eagle3",)}
+LAYOUTS = {"medusa": ("medusa",), "eagle": ("eagle", "eagle3"), "eagle3": ("eagle3",),
+           "block": ("block",)}     # an EAGLE-3 head that names a mask token (folder_kind)
 GROWN = ("eagle2", "eagle3")             # EAGLE-2's dynamic tree (eagle3: an EAGLE-3 head's)
 # eagle2+ngram's lookup branch, scaled by the match (2, 4 or 6 tokens after a match of 1, 2 or
 # 3): 6 measured best of 3, 6, 12 and 24 (docs/RESULTS.md)
@@ -189,9 +191,9 @@ def build_proposer(mc: MethodConfig, path: str, target, tokenizer, slots: int) -
     """-> (proposer, info: what drafts and the memory it adds). path: the target's folder (a
     shipped draft takes its embeddings from it); slots: the caches' size."""
     if mc.method == "ngram":                # prompt lookup: up to depth tokens, by the match
-        return PromptLookupProposer(mc.depth, mc.ngram_max), {"draft": "prompt lookup, n <= "
-                                                              f"{mc.ngram_max}", "draft_params": 0,
-                                                              "draft_memory_mb": 0.0}
+        info = {"draft": f"prompt lookup, n <= {mc.ngram_max}", "draft_params": 0,
+                "draft_memory_mb": 0.0}
+        return PromptLookupProposer(mc.depth, mc.ngram_max), info
     if mc.method in ("draft", "draft-chain"):
         return build_draft(mc, path, target, tokenizer, slots)
     if mc.method in HEAD_KIND:      # eagle2+ngram: EAGLE-2's tree, the prompt-lookup chain one
@@ -230,7 +232,7 @@ def check_compiler() -> None:
 def compiled_verifier(target, mc: MethodConfig, proposer, slots: int) -> Compiled:
     """--compile's target: chain methods (ngram, draft) keep graphs of 1, 2, 4, ... tokens and
     their most; tree methods of 1 token and their trees' padded size (docs/RESULTS.md: why)."""
-    most, chains = proposer.max_nodes, mc.method in ("ngram", "draft", "draft-chain")
+    most, chains = proposer.max_nodes, mc.method in ("ngram", "draft", "draft-chain", "block")
     sizes = {min(1 << i, most) for i in range(most.bit_length() + 1)} if chains else (1, most)
     return Compiled(target, sizes, slots, getattr(proposer, "taps", ()), trees=not chains)
 
@@ -295,6 +297,7 @@ def build_head(mc: MethodConfig, target, slots: int, extra: int = 0) -> tuple:
     extra: tokens verified beside the head's tree each step (a lookup chain), for auto's prices.
     -> (proposer, costs.Sizer for --tree-size auto or None, info)."""
     folder, kind = head_folder(mc.heads, HEAD_KIND[mc.method])
+    kind = "eagle3" if kind == "block" else kind              # a block head's layout
     head, config = load_head(folder, target, kind)
     params = sum(p.numel() for p in head.parameters())
     head = quantize(head, draft_form(mc, head), rows=False)
@@ -312,7 +315,11 @@ def build_head(mc: MethodConfig, target, slots: int, extra: int = 0) -> tuple:
         raise ValueError(f"{folder} records no measured accuracy, which --tree-size auto prices "
                          f"trees with; give --tree-size N")
     rule = SizeRule(most, accuracy) if auto and mc.method in GROWN else None
-    if mc.method in GROWN:                # no round deeper than the nodes kept (a subtree)
+    if mc.method == "block":
+        size = mc.depth
+        proposer = EagleProposer(target, head, DraftConfig(mc.depth), slots, proj=proj,
+                                 mask_id=config.mask_token)
+    elif mc.method in GROWN:                # no round deeper than the nodes kept (a subtree)
         size = most if auto else min(mc.tree_size or mc.depth * mc.top_k, most)  # 0: as --help
         proposer = EagleProposer(target, head, DraftConfig(min(mc.depth, size), mc.top_k, size,
                                                            rule), slots, proj=proj)
@@ -360,13 +367,22 @@ def head_folder(heads, kind: str) -> tuple:
     """-> (folder, its head's kind): the head in `heads` of this kind, else of another of its
     LAYOUTS (eagle2 and eagle3 rows can so compare two heads), else the one in weights/: one
     EAGLE head is shipped, an EAGLE-3 one, which every EAGLE method drafts with."""
-    given = [(f, read_head_config(f).kind) for f in heads]
+    given = [(f, folder_kind(f)) for f in heads]
     chosen = [g for g in given if g[1] == kind] or [g for g in given if g[1] in LAYOUTS[kind]]
     if len(chosen) > 1:
         raise ValueError(f"--head: {' and '.join(f for f, _ in chosen)} all hold heads for "
                          f"{kind}; give one")
+    if kind == "block" and not chosen:
+        raise ValueError("--method block needs --head DIR, a block head (none is shipped): "
+                         "train_heads.py --method eagle3 --parallel K writes one")
     shipped = LAYOUTS[kind][-1]
     return chosen[0] if chosen else (os.path.join(WEIGHTS, f"smollm2-135m-{shipped}"), shipped)
+
+
+def folder_kind(folder: str) -> str:
+    """A head folder's kind, "block" for an EAGLE-3 head that names a mask token."""
+    config = read_head_config(folder)
+    return "block" if config.mask_token is not None else config.kind
 
 
 def check_heads(heads, methods: list) -> None:
@@ -374,7 +390,7 @@ def check_heads(heads, methods: list) -> None:
     mistake (a typo in --methods, or the wrong folder), not something to ignore."""
     kinds = {HEAD_KIND[m] for m in methods if m in HEAD_KIND}
     for folder in heads:
-        kind = read_head_config(folder).kind
+        kind = folder_kind(folder)
         if not any(kind in LAYOUTS[k] for k in kinds):
             users = ", ".join(m for m, k in HEAD_KIND.items() if kind in LAYOUTS[k])
             raise ValueError(f"--head {folder} holds {kind} heads, which only {users} draft "
@@ -400,8 +416,8 @@ def describe(mc: MethodConfig, info: dict) -> str:
             "ngram": f"chain of <= {mc.depth}, by match",
             "eagle2": f"{shape}, {nodes}", "eagle3": f"{shape}, {nodes}",
             "medusa": f"{size}-node tree", "eagle": f"{size}-node tree",
-            "draft": f"chain of {mc.depth}" + ", one forward" * info.get("parallel", False)}.get(
-        mc.method, f"chain of {mc.depth}")
+            "draft": f"chain of {mc.depth}" + ", one forward" * info.get("parallel", False),
+            "block": f"block of {mc.depth}, one forward"}.get(mc.method, f"chain of {mc.depth}")
 
 
 # ---------------------------------------------------------------- the distilled draft's folder

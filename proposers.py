@@ -90,8 +90,7 @@ class DraftConfig:
         if self.depth < 1 or self.top_k < 1 or self.total < 0:
             raise ValueError(f"draft depth and top-k must be >= 1 and tree size >= 0, got "
                              f"depth {self.depth}, top-k {self.top_k}, size {self.total}")
-        if self.total == 0:
-            self.total = self.depth * self.top_k
+        self.total = self.total or self.depth * self.top_k
 
     @property
     def grown_nodes(self) -> int:
@@ -144,9 +143,8 @@ class DraftModelProposer:
         self.device = model.embed.weight.device
         self.max_nodes = depth + 1                   # verified nodes per step, root included
         self.vocab_ids = None if vocab_ids is None else vocab_ids.cpu()
-        self.proj = None
-        if vocab_ids is not None:
-            self.proj = proj if proj is not None else projection(model, vocab_ids)   # C -> R
+        self.proj = (None if vocab_ids is None else                          # C -> R
+                     proj if proj is not None else projection(model, vocab_ids))
         self.cache = None            # made by start: the committed tokens' keys and values
         self.pending = []            # accepted tokens the draft has not fed itself yet
         self.base = 0                # cache length when the proposal began
@@ -253,10 +251,12 @@ class EagleProposer:
     (f_x, y) (f_y, s)."""
 
     def __init__(self, target: Llama, head, config: DraftConfig, slots: int, static=None,
-                 proj=None):
+                 proj=None, mask_id: int | None = None):
         """proj: the projection onto the draft vocabulary, a module C -> R (default
-        heads.projection; spec.py may pass a quantized one)."""
+        heads.projection; spec.py may pass a quantized one). mask_id: a block head's mask token:
+        it drafts a chain of config.depth tokens in one forward (`block`)."""
         self.target, self.head, self.config, self.static = target, head, config, static
+        self.mask_id = mask_id
         self.slots, self.device = slots, target.embed.weight.device
         self.proj = proj if proj is not None else projection(target, head.vocab_ids)
         self.vocab_ids = head.vocab_ids.cpu()
@@ -289,6 +289,8 @@ class EagleProposer:
         are sized for (None: config.depth)."""
         start, P = self.cache.length, self.pending_feats.shape[0]
         tokens = torch.tensor(self.pending_tokens + [root])                  # (P,)
+        if self.mask_id is not None:
+            return self.block(root, tokens, start), None
         out = self.feed(self.pending_feats, tokens, torch.arange(start, start + P))   # (P, C)
         # the last entry fed: (feature before the root, root); its output predicts the root's
         self.root_slot = self.cache.length - 1
@@ -310,6 +312,20 @@ class EagleProposer:
             tree = best_nodes(tree, n)
         return tree, None
 
+    def block(self, root: int, tokens: torch.Tensor, start: int) -> Tree:
+        """A block head (DFlash's idea on EAGLE-3's layer): the pending rows, then depth - 1
+        masks, each reading the last row's taps and the mask token, in ONE forward; the root's
+        output and each mask's guess the tokens 1, 2, ... places after the root, none seeing
+        the drafts before it. The masks' entries are dropped."""
+        m = self.config.depth - 1
+        feats = torch.cat([self.pending_feats, self.pending_feats[-1:].expand(m, -1)])  # (P+m, 3C)
+        tokens = torch.cat([tokens, torch.full((m,), self.mask_id)])                  # (P + m,)
+        out = self.feed(feats, tokens, torch.arange(start, start + len(tokens)))      # (P+m, C)
+        self.root_slot = start + len(tokens) - m - 1
+        self.cache.length = self.root_slot + 1
+        best = self.proj(out[-m - 1:]).argmax(-1).cpu()                               # (depth,)
+        return chain(root, self.vocab_ids[best].tolist())
+
     def expand(self, frontier: torch.Tensor, tree: Tree) -> torch.Tensor:
         """Feed the frontier nodes (each seeing its ancestors); (F, R) log-probs of their children."""
         new = frontier[self.node_slot[frontier] < 0]          # all but the root, fed already
@@ -324,18 +340,17 @@ class EagleProposer:
     def static_tree(self, root: int) -> Tree:
         """Fill a StaticTree depth by depth: node = its parent's rank-th most likely child."""
         st = self.static
-        tokens = torch.full_like(st.parents, root)
+        tokens = torch.full_like(st.parents, root)              # filled in place, level by level
+        tree = Tree(tokens, st.parents, st.depths, torch.zeros(len(tokens)))
         for d in range(int(st.depths.max())):
             children = (st.depths == d + 1).nonzero().squeeze(1)
             frontier = st.parents[children].unique()                         # sorted
-            tree = Tree(tokens, st.parents, st.depths, torch.zeros(len(tokens)))
             top = self.expand(frontier, tree).topk(int(st.ranks.max()) + 1).indices.cpu()
             row = torch.searchsorted(frontier, st.parents[children])
             tokens[children] = self.vocab_ids[top[row, st.ranks[children]]]
-        return Tree(tokens, st.parents, st.depths, torch.zeros(len(tokens)))
+        return tree
 
     def commit(self, tree: Tree, accepted: torch.Tensor, hidden=None) -> None:
-        """Drop the tree's entries; the accepted nodes return with the target's features."""
         self.cache.length = self.root_slot + 1
         self.pending_feats = hidden[accepted.to(hidden.device)]              # (n, C)
         self.pending_tokens = tree.tokens[accepted[1:].cpu()].tolist()

@@ -160,7 +160,8 @@ def decoding_flags(p) -> None:
                         "Medusa heads, eagle = EAGLE head with a static tree, eagle2 = EAGLE head "
                         "with EAGLE-2's dynamic tree, eagle2+ngram = that tree plus the prompt "
                         "lookup chain as one more branch, eagle3 = EAGLE-2's tree drafted by an "
-                        "EAGLE-3 head (--head) (default: ar)")
+                        "EAGLE-3 head (--head), block = an EAGLE-3 block head's chain in one "
+                        "forward (--head) (default: ar)")
     p.add_argument("--prompt", help="the user message (or raw text; default: " +
                    repr(DEFAULT_PROMPT) + ")")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, no chat template")
@@ -230,8 +231,9 @@ def draft_flags(p) -> None:
     p.add_argument("--head", action="append", default=[], metavar="DIR",
                    help="head folder (train_heads.py's --out, or a published EAGLE-3 head in "
                         "SpecForge's format): Medusa's for medusa, EAGLE's or EAGLE-3's for "
-                        "eagle, eagle2 and eagle2+ngram, EAGLE-3's for eagle3; once per kind "
-                        "(default: the heads in weights/, for the default model)")
+                        "eagle, eagle2 and eagle2+ngram, EAGLE-3's for eagle3, a block head's "
+                        "for block; once per kind (default: the heads in weights/, for the "
+                        "default model)")
     p.add_argument("--num-speculative-tokens", type=int,
                    help="draft depth: tokens proposed along each path per step (default per "
                         "method: " + ", ".join(f"{m} {d[0]}" for m, d in TREE_DEFAULTS.items()) +
@@ -347,7 +349,7 @@ def check_together(p, args) -> None:
     for flag, value, methods in (
             ("--num-speculative-tokens", args.num_speculative_tokens, METHODS[1:]),
             ("--draft-top-k", args.draft_top_k, ["eagle2", "eagle2+ngram", "eagle3"]),
-            ("--tree-size", args.tree_size, list(HEAD_KIND)),
+            ("--tree-size", args.tree_size, list(HEAD_KIND)[:-1]),     # not block's chain
             ("--ngram-max", args.ngram_max, ["ngram", "eagle2+ngram"]),
             ("--draft", args.draft, ["draft", "draft-chain"])):
         if value is not None and method not in methods:     # else silently without effect

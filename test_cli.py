@@ -123,6 +123,8 @@ SPEC_CASES = [
     (["--method", "medusa", "--head", f"{WEIGHTS}/smollm2-135m-eagle3"],
      "holds eagle3 heads, which only eagle, eagle2, eagle2+ngram, eagle3 draft with"),
     (["--model", "{good}", "--method", "eagle2"], "eagle"),          # heads of another model
+    (["--model", "{good}", "--method", "block"], "--method block needs --head DIR, a block head"),
+    (["--method", "block", "--tree-size", "4"], "--tree-size does not apply to --method block"),
     (["--model", "{good}", "--raw", "--prompt", " x" * 300], "longer than the model's context"),
     (["--model", "{good}", "--raw", "--prompt", ""], "the prompt is empty"),
     (["--model", "{small}"], "{small}: the tokenizer has 49152 tokens, the model's embedding 97"),
@@ -136,7 +138,7 @@ TRAIN_CASES = [
     (["--init", "/nonexistent"], "/nonexistent: no such folder"),
     (["--init", f"{WEIGHTS}/smollm2-135m-medusa"], "holds medusa heads; --method eagle"),
     (["--wise", "0.5"], "--wise 0.5: a weight in [0, 1] between an --init head"),
-    (["--parallel", "4"], "--parallel 4: only a draft model (--method draft) drafts a block"),
+    (["--parallel", "4"], "--parallel 4: only a draft model and an EAGLE-3 head (--method draft,"),
     (["--parallel", "0"], "--parallel must be > 0"),
     (["--method", "draft", "--init", f"{WEIGHTS}/smollm2-135m-eagle3"], "holds eagle3 heads, not a"),
     (["--out", "/proc/x"], "--out /proc/x: cannot write there"),

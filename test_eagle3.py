@@ -464,3 +464,130 @@ def test_the_shipped_head_loads_in_specforge_and_drafts_the_targets_next_token(
             agree += int((drafted == following[P - 1:]).sum())
             total += len(drafted)
     assert agree >= total / 2, f"first-depth top-1 {agree / total:.3f} of {total} positions"
+
+
+# ---------------------------------------------------------------- block heads (--method block)
+
+MASK = 250                                  # the tiny block heads' mask token
+
+
+def random_block_head(target, seed=5):
+    from heads import Eagle3Head, eagle_layer_config
+    torch.manual_seed(seed)
+    vocab = torch.randperm(V)[:R].sort().values
+    head = Eagle3Head(LlamaConfig(**eagle_layer_config(target.config)), vocab, (2, 4, 5))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.3)
+    return head.to(target.embed.weight.dtype)
+
+
+def test_a_block_head_drafts_its_chain_in_one_forward_and_stays_exact():
+    """The pending rows and depth - 1 masks (each reading the last row's taps) in ONE head
+    forward: the root's output and the masks' are the chain, as one causal forward of a fresh
+    cache over those rows computes them; the masks leave the cache; greedy and seeded sampling
+    write plain decoding's tokens."""
+    target = target_for_head().double()
+    head = random_block_head(target)
+    prompt, root = [5, 17, 3, 99, 41, 8], 77
+    with torch.no_grad():
+        taps = target(torch.tensor([prompt]), torch.arange(6)[None], target.new_cache(1, 64),
+                      taps=(2, 4, 5))[1][0]                                         # (6, 3C)
+        feats = torch.cat([taps, taps[-1:].expand(3, -1)])[None]                    # (1, 9, 3C)
+        ids = torch.tensor([prompt[1:] + [root] + [MASK] * 3])
+        out = head(feats, target.embed(ids), torch.arange(9)[None], head.new_cache(64))
+        want = head.vocab_ids[head.projection()(out[0, -4:]).argmax(-1)].tolist()
+    calls = []
+    head.register_forward_hook(lambda *a: calls.append(1))
+    proposer = EagleProposer(target, head, DraftConfig(4), 256, proj=head.projection(),
+                             mask_id=MASK)
+    proposer.start(prompt, taps)
+    tree, q = proposer.propose(root, GenConfig(8), None)
+    assert tree.tokens.tolist() == [root] + want and q is None
+    assert len(calls) == 1, f"{len(calls)} head forwards for a block of 4"
+    assert proposer.cache.length == 6, "the masks' entries stayed in the head's cache"
+    for depth, temperature in ((1, 0.0), (3, 0.0), (4, 0.0), (3, 0.8)):
+        gen = GenConfig(max_new_tokens=40, temperature=temperature, seed=3)
+        proposer = EagleProposer(target, head, DraftConfig(depth), 256, proj=head.projection(),
+                                 mask_id=MASK)
+        got = generate_spec(target, proposer, prompt, gen)
+        assert got.token_ids == generate_ar(target, prompt, gen).token_ids, (depth, temperature)
+
+
+def test_block_training_rows_see_what_the_masks_see_at_inference():
+    """training.block_batch: each block of masks after anchor a computes, in the one training
+    forward, what a block head computes after a root at a (the same rows seen, positions and
+    taps), and learns the target's greedy tokens at a + 1, a + 2, ...; the rows keep theirs."""
+    import features
+    import training
+    target = target_for_head()                         # make_batch's float32
+    head = random_block_head(target)
+    g = torch.Generator().manual_seed(3)
+    seqs = [features.Seq(torch.randint(1, V, (n,), generator=g),
+                         torch.randn(n - 1, 4 * C, generator=g), p)
+            for n, p in [(17, 5), (12, 3), (9, 8)]]
+    b = training.eagle3_batch(features.make_batch(seqs), C)
+    k, L = 4, b.loss_mask.shape[1]
+    feats, tokens, want_target, loss, pos, seen = training.block_batch(b, k, MASK)
+    with torch.no_grad():
+        out = training.block_forward(head, target.embed, feats, tokens, pos, seen)
+    blocks = 0
+    for r, s in enumerate(seqs):
+        assert torch.equal(loss[r, :L], b.loss_mask[r]), "the rows' own loss moved"
+        for m in range(L, tokens.shape[1], k - 1):
+            a = int(pos[r, m]) - 1                                         # the block's anchor
+            if not loss[r, m]:
+                continue
+            blocks += 1
+            rows = torch.cat([b.feats[r, :a + 1], b.feats[r, a:a + 1].expand(k - 1, -1)])
+            ids = torch.cat([b.next_tok[r, :a + 1], torch.full((k - 1,), MASK)])
+            with torch.no_grad():
+                alone = head(rows[None], target.embed(ids)[None], torch.arange(a + k)[None],
+                             head.new_cache(64))[0, a + 1:]                       # (k - 1, C)
+            valid = loss[r, m:m + k - 1]
+            assert torch.allclose(out[r, m:m + k - 1][valid], alone[valid], atol=1e-5), (r, a)
+            assert valid.tolist() == [bool(b.loss_mask[r, a + 1 + j]) if a + 1 + j < L else
+                                      False for j in range(k - 1)], "a mask past the end"
+            v = int(valid.sum())
+            assert torch.equal(want_target[r, m:m + v], b.target[r, a + 1:a + 1 + v])
+    assert blocks >= 4, f"only {blocks} blocks of masks drawn"
+
+
+def test_a_block_head_trains_saves_and_drafts_under_method_block(tmp_path):
+    """train_heads.py --method eagle3 --parallel 3's parts on a tiny target: the masks'
+    cross-entropy falls, the saved folder names its block and mask token, only --method block
+    takes it (folder_kind), and it drafts plain decoding's tokens there, in one forward a step."""
+    from types import SimpleNamespace
+    import features
+    import train_heads as th
+    import training
+    from methods import build_head, folder_kind, head_folder, method_config
+    from test_heads import TinyTokenizer
+    torch.manual_seed(0)
+    target = tiny_model(3, num_layers=8).float().requires_grad_(False)
+    rows = [(f"q{i} {'ab' * (i % 5)}", None) for i in range(40)]
+    features.extract_features(target, TinyTokenizer(), rows, str(tmp_path / "f"), 8, 24, 64,
+                              [2, 4, 5, 8])
+    seqs = features.load_features(str(tmp_path / "f"))
+    C = target.config.hidden_size
+    args = SimpleNamespace(out=str(tmp_path / "o"), draft_vocab=40, method="eagle3", heads=3)
+    head, config = th.new_head(args, target, seqs, (0,))
+    proj = th.projection_rows(target, head.vocab_ids)
+    loss = lambda s: training.block_loss(head, target.embed, proj, training.eagle3_batch(  # noqa
+        features.make_batch(s), C), 3, 60)
+    record = training.train(head, loss, seqs, training.TrainConfig(epochs=30, tokens_per_batch=256,
+                                                                    lr=3e-3), str(tmp_path / "t"))
+    masks = [r[1] for r in record["losses"]]
+    assert sum(masks[-5:]) < sum(masks[:5]) - 2.0, f"masks' ce {masks[:5]} -> {masks[-5:]}"
+    config.block, config.mask_token = 3, 60
+    th.save_head(head.eval(), config, str(tmp_path / "h"))
+    assert folder_kind(str(tmp_path / "h")) == "block"
+    assert head_folder([str(tmp_path / "h")], "eagle")[1] != "block", "eagle2 took a block head"
+    proposer = build_head(method_config("block", heads=(str(tmp_path / "h"),)), target, 256)[0]
+    assert proposer.mask_id == 60 and proposer.max_nodes == 3         # the default block of 2
+    calls = []
+    proposer.head.register_forward_hook(lambda *a: calls.append(1))
+    prompt = seqs[0].tokens[:seqs[0].prompt_len].tolist()           # a prompt it learned
+    out = generate_spec(target, proposer, prompt, GenConfig(20))
+    assert out.token_ids == generate_ar(target, prompt, GenConfig(20)).token_ids
+    assert sum(out.accepted) > 0 and len(calls) == out.target_forwards - 1

@@ -267,13 +267,13 @@ def test_tau_prompts_0_measures_nothing_rather_than_a_tau_of_0():
     from heads import build_head
     target = tiny_model(3)
     vocab, c = torch.arange(20), target.config
-    head = build_head(HeadConfig("eagle", c.hidden_size, c.vocab_size, 20, 3,
-                                 eagle_layer_config(c)), vocab).double()
+    config = HeadConfig("eagle", c.hidden_size, c.vocab_size, 20, 3, eagle_layer_config(c))
+    head = build_head(config, vocab).double()
     held = [features.Seq(torch.tensor([1, 2, 3, 4]), torch.zeros(3, c.hidden_size), 2)]
     args = SimpleNamespace(tau_prompts=0, method="eagle")
-    assert training.held_out_tau(args, target, head, None, held, TinyTokenizer()) == {}
+    assert training.held_out_tau(args, target, head, config, held, TinyTokenizer()) == {}
     args.tau_prompts = 1
-    assert set(training.held_out_tau(args, target, head, None, held, TinyTokenizer())) == \
+    assert set(training.held_out_tau(args, target, head, config, held, TinyTokenizer())) == \
         {"eagle2_d5_k4_16", "chain_5"}
 
 

@@ -41,8 +41,9 @@ from methods import (DRAFT_VOCAB, check_draft_folder, load_draft_vocab, parse_fl
 from model import Llama, LlamaConfig
 from proposers import DraftModelProposer
 from tokenizer import load_tokenizer
-from training import (CHECKPOINT, UNROLL, TrainConfig, accuracy_table, draft_loss, eagle3_batch,
-                      eagle_loss, held_out_tau, measure_tau, medusa_loss, record_fields, train)
+from training import (CHECKPOINT, UNROLL, TrainConfig, accuracy_table, block_loss, draft_loss,
+                      eagle3_batch, eagle_loss, held_out_tau, measure_tau, medusa_loss,
+                      record_fields, train)
 
 
 # ---------------------------------------------------------------- command line
@@ -92,9 +93,9 @@ def shape_flags(p) -> None:
     p.add_argument("--layers", type=int, default=4,
                    help="draft: decoder layers, started from evenly spaced target layers")
     p.add_argument("--parallel", type=int, default=1, metavar="K",
-                   help="draft: train it to draft K tokens in one forward (PARD: mask tokens "
-                        "after the last token; spec.py --method draft then drafts so); 1: a "
-                        "chain, a forward a token")
+                   help="draft, eagle3: train it to draft K tokens in one forward (mask tokens "
+                        "after the last token: PARD's for spec.py --method draft, a block head's "
+                        "for --method block); 1: a chain, a forward a token")
     p.add_argument("--without-embeddings", action="store_true",
                    help="draft: leave the (frozen, target-equal) embedding matrix out of the "
                         "saved folder; spec.py rebuilds it from the target at first use. This "
@@ -138,9 +139,8 @@ def check_ranges(p, args) -> None:
             p.error(f"{flag} must be {'> 0' if name in positive else '>= 0'}, got {value}")
 
 
-def default_features_dir(args) -> str:
-    root = os.path.dirname(args.model.rstrip("/")) if args.model else \
-        os.path.dirname(default_model_path(args.cache_dir))
+def default_features_dir(args, model_path: str) -> str:
+    root = os.path.dirname(model_path.rstrip("/"))
     name = os.path.splitext(os.path.basename(args.data))[0] + "-taps" * (args.method == "eagle3")
     if args.sources or args.template:       # a different set of conversations: its own folder
         what = json.dumps([sorted(args.sources), args.template, args.seed]).encode()
@@ -194,9 +194,9 @@ def main(argv=None):
 
 
 def train_command(args) -> None:
-    if args.parallel > 1 and args.method != "draft":
-        raise ValueError(f"--parallel {args.parallel}: only a draft model (--method draft) "
-                         "drafts a block a forward")
+    if args.parallel > 1 and args.method not in ("draft", "eagle3"):
+        raise ValueError(f"--parallel {args.parallel}: only a draft model and an EAGLE-3 head "
+                         "(--method draft, eagle3) draft a block a forward")
     if not 0 <= args.wise <= 1 or (args.wise < 1 and not args.init):
         raise ValueError(f"--wise {args.wise}: a weight in [0, 1] between an --init head and "
                          "the one trained from it; it needs --init")
@@ -214,7 +214,7 @@ def train_command(args) -> None:
         rows = templated_prompts(rows, args.template, args.seed) if args.template else rows
         rows = rows[:args.limit] if args.limit else rows
     model_path = args.model or default_model_path(args.cache_dir)
-    features = args.features or default_features_dir(args)
+    features = args.features or default_features_dir(args, model_path)
     tokenizer = load_tokenizer(model_path)
     if extracting:
         if "," in features:
@@ -267,20 +267,23 @@ def train_and_save(args, model_path: str, features: str, tokenizer) -> None:
 def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) -> dict:
     head, config = (init_head(args, target) if args.init
                     else new_head(args, target, train_seqs, tokenizer.stop_ids))
+    if args.parallel > 1:                                # a block head (--method block)
+        config.block, config.mask_token = args.parallel, mask_token(tokenizer)
     proj = projection_rows(target, head.vocab_ids)                         # (R, C)
-    device = proj.device
     if args.init:                       # what the head had learned before: its own record
         record = os.path.join(args.init, "training.json")
         info = info | {"init": {"folder": os.path.abspath(args.init), "training": read_json(
             record, "training.json") if os.path.isfile(record) else None}}
     def loss_fn(seqs):
-        b = make_batch(seqs).to(device)
+        b = make_batch(seqs).to(proj.device)
         if args.method == "medusa":
             return medusa_loss(head, proj, b)
-        if args.method == "eagle3":                     # its recipe: no feature loss
-            return eagle_loss(head, target.embed, proj, eagle3_batch(b, proj.shape[1]),
-                              feature_weight=0)
-        return eagle_loss(head, target.embed, proj, b)
+        if args.method == "eagle":
+            return eagle_loss(head, target.embed, proj, b)
+        b = eagle3_batch(b, proj.shape[1])
+        if args.parallel > 1:                           # a block head: no unroll
+            return block_loss(head, target.embed, proj, b, args.parallel, config.mask_token)
+        return eagle_loss(head, target.embed, proj, b, feature_weight=0)   # its recipe
     record = train(head, loss_fn, train_seqs, tc, args.out)
     if args.init and args.wise < 1:
         interpolate(head, init_head(args, target)[0], args.wise)
@@ -375,12 +378,10 @@ def save_draft(draft, target_folder: str, out: str, info: dict | None = None,
     tools ignore it). pard_token: the mask token of a parallel draft, in config.json."""
     c = draft.config
     tensors = to_hf_names({k: v.detach().cpu() for k, v in draft.state_dict().items()}, c)
-    if not embeddings:
-        tensors = {k: v for k, v in tensors.items()
-                   if k not in ("model.embed_tokens.weight", "lm_head.weight")}
+    dropped = () if embeddings else ("model.embed_tokens.weight", "lm_head.weight")
     os.makedirs(out, exist_ok=True)
-    save_tensors({k: v.bfloat16() for k, v in tensors.items()}, f"{out}/model.safetensors",
-                 {"format": "pt"})
+    save_tensors({k: v.bfloat16() for k, v in tensors.items() if k not in dropped},
+                 f"{out}/model.safetensors", {"format": "pt"})
     hf = read_json(f"{target_folder}/config.json", "config.json")
     write_json(f"{out}/config.json", hf | {"num_hidden_layers": c.num_layers,
                                             "torch_dtype": "bfloat16"} |

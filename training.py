@@ -137,37 +137,82 @@ def draft_batch(seqs: list, device="cpu") -> tuple:
     return tokens.to(device), feats.to(device), mask.to(device)
 
 
-def pard_batch(seqs: list, k: int, mask_id: int, device="cpu") -> tuple:
-    """PARD's training rows (An et al. 2025) for drafts of k tokens a forward: draft_batch's,
-    then blocks of k - 1 mask tokens, each after an anchor a drawn among a row's answer
-    positions, at positions a + 1 .. a + k - 1: a block's masks see the tokens up to a and the
-    masks before them in it, exactly what the masks after a root see at inference, and mask j
-    learns the target's distribution at a + 1 + j (the token j + 2 places after a). Enough
-    anchors that the masks are about as many as the tokens. -> tokens, positions (B, T), mask
-    (B, T, T) bool, the target's features (B, T, C) and loss mask (B, T) of every row."""
-    tokens, feats, loss = draft_batch(seqs, device)                  # (B, L), (B, L, C), (B, L)
-    B, L = tokens.shape
+def block_rows(loss: torch.Tensor, k: int) -> tuple:
+    """Blocks of k - 1 mask rows after the L rows of a batch (PARD's, An et al. 2025; DFlash's),
+    each after an anchor a drawn among the rows with a loss whose next row has one too, at
+    positions a + 1 .. a + k - 1: a block's masks see the rows up to a and the masks before
+    them in it, exactly what the masks after a root see at inference, and the mask at position
+    p learns what row p learns. Enough anchors that the masks are about as many as the rows.
+    loss (B, L) bool -> a mask's anchor and position (B, M), its loss mask (B, M), and who sees
+    whom among the L + M rows (B, L + M, L + M) bool."""
+    B, L = loss.shape
+    device = loss.device
     anchor_ok = loss & torch.cat([loss[:, 1:], torch.zeros_like(loss[:, :1])], 1)  # one after
     A = -(-int(anchor_ok.sum(1).max()) // (k - 1))                   # anchors a row
     draw = torch.rand(B, L, device=device).masked_fill(~anchor_ok, 2.0)
     pick = draw.topk(A, dim=1, largest=False)                        # (B, A): random valid ones
-    anchors, valid = pick.indices, pick.values < 2.0
-    j = torch.arange(k - 1, device=device)
-    anchor = anchors.repeat_interleave(k - 1, 1)                     # (B, M): a mask's anchor
-    at = anchor + 1 + j.repeat(A)                                    # (B, M): its position
-    learns = at.clamp(max=L - 1)                                     # the feature it learns
-    block_loss = loss.gather(1, learns) & (at < L) & valid.repeat_interleave(k - 1, 1)
+    j = torch.arange(k - 1, device=device).repeat(A)                 # (M,) a mask's place
+    anchor = pick.indices.repeat_interleave(k - 1, 1)                # (B, M)
+    at = anchor + 1 + j                                              # (B, M): its position
+    block_loss = (loss.gather(1, at.clamp(max=L - 1)) & (at < L)
+                  & (pick.values < 2.0).repeat_interleave(k - 1, 1))
     block = torch.arange(A, device=device).repeat_interleave(k - 1)  # (M,) a mask's block
-    jj = j.repeat(A)                                                 # (M,) its place in it
-    sees_tokens = torch.arange(L, device=device) <= anchor[:, :, None]           # (B, M, L)
-    sees_masks = (block[:, None] == block[None]) & (jj[None] <= jj[:, None])      # (M, M)
+    sees_rows = torch.arange(L, device=device) <= anchor[:, :, None]             # (B, M, L)
+    sees_masks = (block[:, None] == block[None]) & (j[None] <= j[:, None])        # (M, M)
     causal = torch.ones(L, L, dtype=torch.bool, device=device).tril()
-    mask = torch.cat([torch.cat([causal, causal.new_zeros(L, len(block))], 1).expand(B, -1, -1),
-                      torch.cat([sees_tokens, sees_masks.expand(B, -1, -1)], 2)], 1)  # (B, T, T)
-    positions = torch.cat([torch.arange(L, device=device).expand(B, L), at], 1)
-    return (torch.cat([tokens, torch.full_like(at, mask_id)], 1), positions, mask,
-            torch.cat([feats, feats.gather(1, learns[..., None].expand(-1, -1, feats.shape[2]))], 1),
-            torch.cat([loss, block_loss], 1))
+    seen = torch.cat([torch.cat([causal, causal.new_zeros(L, len(block))], 1).expand(B, -1, -1),
+                      torch.cat([sees_rows, sees_masks.expand(B, -1, -1)], 2)], 1)
+    return anchor, at, block_loss, seen
+
+
+def rows_at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x (B, L, E), index (B, M) -> (B, M, E): each batch row's entries at those indices."""
+    return x.gather(1, index.clamp(max=x.shape[1] - 1)[..., None].expand(-1, -1, x.shape[2]))
+
+
+def pard_batch(seqs: list, k: int, mask_id: int, device="cpu") -> tuple:
+    """PARD's training rows for drafts of k tokens a forward: draft_batch's, then block_rows'
+    mask tokens; the mask at position p learns the target's distribution at p (the token j + 2
+    places after its anchor, mask j). -> tokens, positions (B, T), mask (B, T, T) bool, the
+    target's features (B, T, C) and loss mask (B, T) of every row."""
+    tokens, feats, loss = draft_batch(seqs, device)                  # (B, L), (B, L, C), (B, L)
+    _, at, block_loss, seen = block_rows(loss, k)
+    positions = torch.cat([torch.arange(tokens.shape[1], device=device).expand_as(tokens), at], 1)
+    return (torch.cat([tokens, torch.full_like(at, mask_id)], 1), positions, seen,
+            torch.cat([feats, rows_at(feats, at)], 1), torch.cat([loss, block_loss], 1))
+
+
+def block_batch(b: Batch, k: int, mask_id: int) -> tuple:
+    """An EAGLE-3 block head's training rows (b: eagle3_batch's): b's, then block_rows' masks,
+    each reading its anchor's taps and the mask token and learning the target's greedy token
+    at its place. -> taps (B, T, 3C), tokens (B, T), the target's features (B, T, C), loss
+    mask, positions (B, T) and who sees whom (B, T, T)."""
+    B, L = b.loss_mask.shape
+    anchor, at, mask_loss, seen = block_rows(b.loss_mask, k)
+    return (torch.cat([b.feats, rows_at(b.feats, anchor)], 1),
+            torch.cat([b.next_tok, torch.full_like(at, mask_id)], 1),
+            torch.cat([b.target, rows_at(b.target, at)], 1), torch.cat([b.loss_mask, mask_loss], 1),
+            torch.cat([torch.arange(L, device=at.device).expand(B, L), at], 1), seen)
+
+
+def block_forward(head, embed, feats, tokens, positions, seen) -> torch.Tensor:
+    """One head forward over block_batch's rows, in a fresh cache of their number -> (B, T, C)."""
+    B, T = tokens.shape
+    empty = head.new_cache(0, B)
+    cache = KVCache([widen(x, T) for x in empty.k], [widen(x, T, ones=True) for x in empty.v])
+    return head(feats, embed(tokens), positions, cache, seen)
+
+
+def block_loss(head, embed, proj, b: Batch, k: int, mask_id: int) -> tuple:
+    """A block head's cross-entropy on block_batch's rows -> (loss, [ce on the rows, ce on
+    the masks]). No unroll: a block head never reads its own features."""
+    feats, tokens, target, loss, pos, seen = block_batch(b, k, mask_id)
+    out = block_forward(head, embed, feats, tokens, pos, seen)[loss]             # (n, C)
+    ce = torch.nn.functional.cross_entropy(scorer(head, proj)(out).float(),
+                                           teacher(target[loss], proj), reduction="none")
+    column = torch.arange(tokens.shape[1], device=ce.device).expand_as(loss)[loss]   # (n,)
+    real, parts = column < b.loss_mask.shape[1], ce.detach()
+    return ce.mean(), [float(parts[real].mean()), float(parts[~real].mean())]
 
 
 def draft_hidden(draft, tokens, positions=None, mask=None) -> torch.Tensor:
@@ -330,9 +375,8 @@ def accuracy_table(target, head, kind: str, seqs: list, depth: int, ranks: int =
         for d, logits in enumerate(outs[:depth]):
             shift = d if kind == "medusa" else 0
             L = b.feats.shape[1] - shift
-            mask = b.loss_mask[:, shift:].clone()
-            if kind != "medusa":
-                mask[:, :d] = False
+            # an unrolled depth d has no root before position d (Medusa's shift: none cut)
+            mask = b.loss_mask[:, shift:] & (torch.arange(L, device=proj.device) >= d - shift)
             logits = logits[:, :L]                                                # (B, L, R)
             lab = label[:, shift:].contiguous()                                   # (B, L)
             where = torch.searchsorted(head.vocab_ids, lab).clamp(max=len(head.vocab_ids) - 1)
@@ -343,7 +387,6 @@ def accuracy_table(target, head, kind: str, seqs: list, depth: int, ranks: int =
             hits[d] += torch.bincount(rank[ok].clamp(max=ranks), minlength=ranks + 1)[:ranks]
             if d == 0:
                 count += int(mask.sum())
-    # teacher-forced: each depth is measured with the path before it right, as best_paths assumes
     return (hits / max(count, 1)).tolist()
 
 
@@ -357,10 +400,13 @@ def held_out_tau(args, target, head, config, held: list, tokenizer) -> dict:
         proposer = MedusaProposer(target, head, static_tree(best_paths(config.accuracy, 16)))
         return {"medusa_16": round(measure_tau(target, proposer, seqs, 64, tokenizer.stop_ids), 3)}
     proj = head.projection() if isinstance(head, Eagle3Head) else None     # default: the target's
-    eagle2 = EagleProposer(target, head, DraftConfig(5, 4, 16), 512, proj=proj)
-    chain = EagleProposer(target, head, DraftConfig(5, 1), 512, proj=proj)
-    return {"eagle2_d5_k4_16": round(measure_tau(target, eagle2, seqs, 64, tokenizer.stop_ids), 3),
-            "chain_5": round(measure_tau(target, chain, seqs, 64, tokenizer.stop_ids), 3)}
+    runs = {"eagle2_d5_k4_16": EagleProposer(target, head, DraftConfig(5, 4, 16), 512, proj=proj),
+            "chain_5": EagleProposer(target, head, DraftConfig(5, 1), 512, proj=proj)}
+    if config.mask_token is not None:                    # a block head: its block, one forward
+        runs[f"block_{config.block}"] = EagleProposer(target, head, DraftConfig(config.block),
+                                                      512, proj=proj, mask_id=config.mask_token)
+    return {name: round(measure_tau(target, p, seqs, 64, tokenizer.stop_ids), 3)
+            for name, p in runs.items()}
 
 
 def git_commit() -> str:
