@@ -575,7 +575,7 @@ def test_a_block_head_trains_saves_and_drafts_under_method_block(tmp_path):
     proj = th.projection_rows(target, head.vocab_ids)
     loss = lambda s: training.block_loss(head, target.embed, proj, training.eagle3_batch(  # noqa
         features.make_batch(s), C), 3, 60)
-    record = training.train(head, loss, seqs, training.TrainConfig(epochs=30, tokens_per_batch=256,
+    record = training.train(head, loss, seqs, training.TrainConfig(epochs=12, tokens_per_batch=256,
                                                                     lr=3e-3), str(tmp_path / "t"))
     masks = [r[1] for r in record["losses"]]
     assert sum(masks[-5:]) < sum(masks[:5]) - 2.0, f"masks' ce {masks[:5]} -> {masks[-5:]}"
