@@ -356,6 +356,9 @@ def load_head(folder: str, target, kind: str) -> tuple:
         if max(config.taps) >= N or len(config.taps) != 3:
             raise LoadError(f"{folder}/config.json: taps {config.taps}: not three of the "
                             f"target's {N} layers")
+        if not 0 <= (config.mask_token or 0) < c.vocab_size:          # a block head's mask
+            raise LoadError(f"{folder}/config.json: mask_token {config.mask_token} is no token "
+                            "id of the target's vocabulary")
         # a published head's names (train_heads.py's own have this module's, vocab_ids too)
         tensors = tensors if "vocab_ids" in tensors else eagle3_tensors(tensors, config, path)
     head = build_head(config, tensors.get("vocab_ids", torch.zeros(config.draft_vocab)))

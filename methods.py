@@ -32,8 +32,7 @@ PARALLEL_DEPTH = 3                     # a parallel draft's block: 4 rows verifi
 # is its most tokens (a match of n of ngram_max tokens drafts n / ngram_max of them); the
 # distilled draft's second token is accepted in 9% of steps, for a forward of its own each
 # (draft-chain, and draft where its folder names no mask token); a parallel draft drafts its
-# block in one forward; a block head's third token was accepted on 0.02 of the steps (block 2
-# 1.13x ar, 3 1.08x)
+# block in one forward; a block head's 3rd token is right on 0.02 of the steps (docs/RESULTS.md)
 TREE_DEFAULTS = {"draft": (PARALLEL_DEPTH, 1, 0), "draft-chain": (1, 1, 0), "ngram": (3, 1, 0),
                  "medusa": (4, 1, "auto"), "eagle": (5, 1, "auto"), "eagle2": (3, 4, "auto"),
                  "eagle2+ngram": (3, 4, "auto"), "eagle3": (3, 4, "auto"), "block": (2, 1, 0)}
@@ -262,8 +261,7 @@ def build_draft(mc: MethodConfig, path: str, target, tokenizer, slots: int) -> t
     fast = (Compiled(draft, sizes, slots, project=False).warm_up("the draft model")
             if mc.compile else draft)
     proposer = DraftModelProposer(fast, mc.depth, slots, vocab, proj, mask_id)
-    extra = sum(t.numel() * t.element_size() for t in [*draft.parameters(), *draft.buffers()]
-                if id(t) not in own) + module_bytes(proposer.proj)
+    extra = module_bytes(draft, own) + module_bytes(proposer.proj)
     if vocab is not None:
         folder += f" (greedy drafts over {len(vocab):,} tokens)"
     return proposer, {"draft": folder, "draft_params": params, "parallel": mask_id is not None,
@@ -437,7 +435,7 @@ def load_draft_vocab(folder: str, vocab_size: int):
     return torch.tensor(sorted(set(ids)))
 
 
-def module_bytes(module) -> int:
-    """Bytes of a module's parameters and buffers (0 for None)."""
-    return 0 if module is None else sum(t.numel() * t.element_size()
-                                        for t in [*module.parameters(), *module.buffers()])
+def module_bytes(module, skip=()) -> int:
+    """Bytes of a module's parameters and buffers (0 for None), but those whose id is in skip."""
+    tensors = [] if module is None else [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors if id(t) not in skip)

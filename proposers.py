@@ -256,8 +256,7 @@ class EagleProposer:
         heads.projection; spec.py may pass a quantized one). mask_id: a block head's mask token:
         it drafts a chain of config.depth tokens in one forward (`block`)."""
         self.target, self.head, self.config, self.static = target, head, config, static
-        self.mask_id = mask_id
-        self.slots, self.device = slots, target.embed.weight.device
+        self.slots, self.device, self.mask_id = slots, target.embed.weight.device, mask_id
         self.proj = proj if proj is not None else projection(target, head.vocab_ids)
         self.vocab_ids = head.vocab_ids.cpu()
         self.taps = getattr(head, "taps", ())       # the target's features it reads (EAGLE-3)

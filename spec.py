@@ -349,7 +349,7 @@ def check_together(p, args) -> None:
     for flag, value, methods in (
             ("--num-speculative-tokens", args.num_speculative_tokens, METHODS[1:]),
             ("--draft-top-k", args.draft_top_k, ["eagle2", "eagle2+ngram", "eagle3"]),
-            ("--tree-size", args.tree_size, list(HEAD_KIND)[:-1]),     # not block's chain
+            ("--tree-size", args.tree_size, [m for m in HEAD_KIND if m != "block"]),
             ("--ngram-max", args.ngram_max, ["ngram", "eagle2+ngram"]),
             ("--draft", args.draft, ["draft", "draft-chain"])):
         if value is not None and method not in methods:     # else silently without effect

@@ -591,3 +591,7 @@ def test_a_block_head_trains_saves_and_drafts_under_method_block(tmp_path):
     out = generate_spec(target, proposer, prompt, GenConfig(20))
     assert out.token_ids == generate_ar(target, prompt, GenConfig(20)).token_ids
     assert sum(out.accepted) > 0 and len(calls) == out.target_forwards - 1
+    saved = json.loads((tmp_path / "h" / "config.json").read_text())
+    (tmp_path / "h" / "config.json").write_text(json.dumps(saved | {"mask_token": 99999}))
+    with pytest.raises(LoadError, match="mask_token 99999 is no token id of the target's"):
+        build_head(method_config("block", heads=(str(tmp_path / "h"),)), target, 256)

@@ -267,8 +267,8 @@ def train_and_save(args, model_path: str, features: str, tokenizer) -> None:
 def train_head(args, tc, target, model_path, train_seqs, held, tokenizer, info) -> dict:
     head, config = (init_head(args, target) if args.init
                     else new_head(args, target, train_seqs, tokenizer.stop_ids))
-    if args.parallel > 1:                                # a block head (--method block)
-        config.block, config.mask_token = args.parallel, mask_token(tokenizer)
+    block = args.parallel > 1                            # a block head (--method block)
+    config.block, config.mask_token = (args.parallel, mask_token(tokenizer)) if block else (0, None)
     proj = projection_rows(target, head.vocab_ids)                         # (R, C)
     if args.init:                       # what the head had learned before: its own record
         record = os.path.join(args.init, "training.json")
