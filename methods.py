@@ -32,10 +32,10 @@ PARALLEL_DEPTH = 3                     # a parallel draft's block: 4 rows verifi
 # is its most tokens (a match of n of ngram_max tokens drafts n / ngram_max of them); the
 # distilled draft's second token is accepted in 9% of steps, for a forward of its own each
 # (draft-chain, and draft where its folder names no mask token); a parallel draft drafts its
-# block in one forward; a block head's 3rd token is right on 0.02 of the steps (docs/RESULTS.md)
+# block in one forward; a block head's block of 3 cut by auto beat its fixed block of 2
 TREE_DEFAULTS = {"draft": (PARALLEL_DEPTH, 1, 0), "draft-chain": (1, 1, 0), "ngram": (3, 1, 0),
                  "medusa": (4, 1, "auto"), "eagle": (5, 1, "auto"), "eagle2": (3, 4, "auto"),
-                 "eagle2+ngram": (3, 4, "auto"), "eagle3": (3, 4, "auto"), "block": (2, 1, 0)}
+                 "eagle2+ngram": (3, 4, "auto"), "eagle3": (3, 4, "auto"), "block": (3, 1, "auto")}
 HEAD_KIND = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle", "eagle2+ngram": "eagle",
              "eagle3": "eagle3", "block": "block"}
 # the head kinds each method's kind drafts with (the EAGLE methods: either layout); the last is
@@ -302,7 +302,7 @@ def build_head(mc: MethodConfig, target, slots: int, extra: int = 0) -> tuple:
     proj = (head.projection() if kind == "eagle3" else    # its own, else the target's rows
             draft_projection(mc, target, head.vocab_ids))
     # measured P(rank r right | path right) by depth; EAGLE-2 only ever drafts ranks < top_k
-    accuracy = [row[:mc.top_k] if mc.method in GROWN else row for row in
+    accuracy = [row[:mc.top_k] if mc.method in (*GROWN, "block") else row for row in
                 config.accuracy[:mc.depth]]
     auto = mc.tree_size == "auto"
     # most nodes a step may verify: all EAGLE-2 drafts (k root children, then k x k a round);
@@ -312,10 +312,10 @@ def build_head(mc: MethodConfig, target, slots: int, extra: int = 0) -> tuple:
     if auto and not accuracy:
         raise ValueError(f"{folder} records no measured accuracy, which --tree-size auto prices "
                          f"trees with; give --tree-size N")
-    rule = SizeRule(most, accuracy) if auto and mc.method in GROWN else None
+    rule = SizeRule(most, accuracy) if auto and mc.method in (*GROWN, "block") else None  # per step
     if mc.method == "block":
         size = mc.depth
-        proposer = EagleProposer(target, head, DraftConfig(mc.depth), slots, proj=proj,
+        proposer = EagleProposer(target, head, DraftConfig(mc.depth, rule=rule), slots, proj=proj,
                                  mask_id=config.mask_token)
     elif mc.method in GROWN:                # no round deeper than the nodes kept (a subtree)
         size = most if auto else min(mc.tree_size or mc.depth * mc.top_k, most)  # 0: as --help
@@ -408,14 +408,13 @@ def room(mc: MethodConfig) -> int:
 def describe(mc: MethodConfig, info: dict) -> str:
     """The method's configuration in words, for the bench's tables."""
     size = info.get("tree_size") or mc.tree_size or mc.depth * mc.top_k
-    nodes, shape = f"{size} nodes", f"{mc.depth} x top-{mc.top_k}"
-    return {"eagle2+ngram": f"{shape}, {nodes} + lookup <= {LOOKUP_DEPTH} (1 round after a "
-                            "full match)",
-            "ngram": f"chain of <= {mc.depth}, by match",
-            "eagle2": f"{shape}, {nodes}", "eagle3": f"{shape}, {nodes}",
-            "medusa": f"{size}-node tree", "eagle": f"{size}-node tree",
+    grown, tree = f"{mc.depth} x top-{mc.top_k}, {size} nodes", f"{size}-node tree"
+    return {"eagle2+ngram": f"{grown} + lookup <= {LOOKUP_DEPTH} (1 round after a full match)",
+            "ngram": f"chain of <= {mc.depth}, by match", "medusa": tree, "eagle": tree,
+            "eagle2": grown, "eagle3": grown,
             "draft": f"chain of {mc.depth}" + ", one forward" * info.get("parallel", False),
-            "block": f"block of {mc.depth}, one forward"}.get(mc.method, f"chain of {mc.depth}")
+            "block": f"block of {mc.depth}, one forward{', cut by auto' * (size == 'auto')}"
+            }.get(mc.method, f"chain of {mc.depth}")
 
 
 # ---------------------------------------------------------------- the distilled draft's folder

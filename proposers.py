@@ -315,15 +315,18 @@ class EagleProposer:
         """A block head (DFlash's idea on EAGLE-3's layer): the pending rows, then depth - 1
         masks, each reading the last row's taps and the mask token, in ONE forward; the root's
         output and each mask's guess the tokens 1, 2, ... places after the root, none seeing
-        the drafts before it. The masks' entries are dropped."""
+        the drafts before it. The masks' entries are dropped. With config.rule (--tree-size
+        auto) the chain is cut per step where its places' probabilities stop paying their rows
+        (EAGLE-2's rule on the chain: a place right only if those before it are)."""
         m = self.config.depth - 1
         feats = torch.cat([self.pending_feats, self.pending_feats[-1:].expand(m, -1)])  # (P+m, 3C)
         tokens = torch.cat([tokens, torch.full((m,), self.mask_id)])                  # (P + m,)
         out = self.feed(feats, tokens, torch.arange(start, start + len(tokens)))      # (P+m, C)
         self.root_slot = start + len(tokens) - m - 1
         self.cache.length = self.root_slot + 1
-        best = self.proj(out[-m - 1:]).argmax(-1).cpu()                               # (depth,)
-        return chain(root, self.vocab_ids[best].tolist())
+        logp, best = self.logp(out[-m - 1:]).max(-1)                             # (depth,)
+        rule, drafts = self.config.rule, self.vocab_ids[best.cpu()].tolist()
+        return chain(root, drafts[:rule.size(logp.cumsum(0).exp())] if rule else drafts)
 
     def expand(self, frontier: torch.Tensor, tree: Tree) -> torch.Tensor:
         """Feed the frontier nodes (each seeing its ancestors); (F, R) log-probs of their children."""

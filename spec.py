@@ -246,7 +246,7 @@ def draft_flags(p) -> None:
                         "step (0: depth x top-k; auto, the default: the most expected tokens/s "
                         "here, from the head's measured accuracy and verify costs measured at "
                         "start; eagle2 re-chooses every step from the draft's probabilities and "
-                        "drafts only rounds that pay)")
+                        "drafts only rounds that pay; block, auto only: its chain cut so)")
     p.add_argument("--ngram-max", type=int,
                    help="prompt lookup: longest n-gram matched against the context (default: "
                         f"{MethodConfig.ngram_max})")
@@ -290,12 +290,16 @@ def check_flags(p, args) -> None:
                 "tokenizer and nothing worth decoding")
     check_together(p, args)
     check_ranges(p, args)
-    if args.json not in (None, "-"):            # its folder must take files: found now, not after
-        folder = os.path.dirname(os.path.abspath(args.json))
-        if os.path.isdir(args.json):
-            p.error(f"--json {args.json}: a folder; give a file name")
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            p.error(f"--json {args.json}: cannot write into {folder}")
+    # where a report or plots go must take files: found now, not after the run
+    for flag, path, folder in (("--json", args.json, False), ("--plot", args.plot, True)):
+        if path in (None, "-"):
+            continue
+        if os.path.exists(path) and os.path.isdir(path) != folder:
+            p.error(f"{flag} {path}: " + ("a file; give a folder" if folder else
+                                          "a folder; give a file name"))
+        where = path if folder and os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(where) or not os.access(where, os.W_OK):   # a --plot folder is made
+            p.error(f"{flag} {path}: cannot write into {where}")
     if args.cache_dir:
         try:                                    # made now: it is where the model is written
             os.makedirs(args.cache_dir, exist_ok=True)
@@ -303,13 +307,6 @@ def check_flags(p, args) -> None:
             p.error(f"--cache-dir {args.cache_dir}: cannot make it ({e.strerror})")
         if not os.access(args.cache_dir, os.W_OK):
             p.error(f"--cache-dir {args.cache_dir}: cannot write into it")
-    if args.plot:
-        if os.path.exists(args.plot) and not os.path.isdir(args.plot):
-            p.error(f"--plot {args.plot}: a file; give a folder")
-        where = args.plot if os.path.isdir(args.plot) else os.path.dirname(
-            os.path.abspath(args.plot))                   # the folder is made if missing
-        if not os.path.isdir(where) or not os.access(where, os.W_OK):
-            p.error(f"--plot {args.plot}: cannot write into {where}")
     args.method = args.method or "ar"
     args.prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
     args.methods = args.methods or BENCH_METHODS
@@ -349,7 +346,8 @@ def check_together(p, args) -> None:
     for flag, value, methods in (
             ("--num-speculative-tokens", args.num_speculative_tokens, METHODS[1:]),
             ("--draft-top-k", args.draft_top_k, ["eagle2", "eagle2+ngram", "eagle3"]),
-            ("--tree-size", args.tree_size, [m for m in HEAD_KIND if m != "block"]),
+            ("--tree-size", args.tree_size, [m for m in HEAD_KIND if args.tree_size == "auto"
+                                             or m != "block"]),
             ("--ngram-max", args.ngram_max, ["ngram", "eagle2+ngram"]),
             ("--draft", args.draft, ["draft", "draft-chain"])):
         if value is not None and method not in methods:     # else silently without effect

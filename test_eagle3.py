@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from decode import GenConfig, generate_ar, generate_spec
 from checkpoint import load_head, load_model
 from model import LlamaConfig, LoadError
-from proposers import DraftConfig, EagleProposer
+from proposers import DraftConfig, EagleProposer, SizeRule
 from test_spec import default_path, tiny_model  # noqa: F401 (a fixture)
 
 C, V, R = 64, 256, 48        # the tiny head's hidden size, the target's vocabulary, its own
@@ -482,6 +482,18 @@ def random_block_head(target, seed=5):
     return head.to(target.embed.weight.dtype)
 
 
+def block_oracle(target, head, prompt: list, root: int) -> tuple:
+    """A block of 4 as one causal forward of a fresh head cache computes it: the prompt's taps
+    (6, 3C), then the logits (4, R) of the root's row and of 3 masks reading the last row's taps."""
+    with torch.no_grad():
+        taps = target(torch.tensor([prompt]), torch.arange(6)[None], target.new_cache(1, 64),
+                      taps=(2, 4, 5))[1][0]                                         # (6, 3C)
+        feats = torch.cat([taps, taps[-1:].expand(3, -1)])[None]                    # (1, 9, 3C)
+        ids = torch.tensor([prompt[1:] + [root] + [MASK] * 3])
+        out = head(feats, target.embed(ids), torch.arange(9)[None], head.new_cache(64))
+        return taps, head.projection()(out[0, -4:]).float()
+
+
 def test_a_block_head_drafts_its_chain_in_one_forward_and_stays_exact():
     """The pending rows and depth - 1 masks (each reading the last row's taps) in ONE head
     forward: the root's output and the masks' are the chain, as one causal forward of a fresh
@@ -490,13 +502,8 @@ def test_a_block_head_drafts_its_chain_in_one_forward_and_stays_exact():
     target = target_for_head().double()
     head = random_block_head(target)
     prompt, root = [5, 17, 3, 99, 41, 8], 77
-    with torch.no_grad():
-        taps = target(torch.tensor([prompt]), torch.arange(6)[None], target.new_cache(1, 64),
-                      taps=(2, 4, 5))[1][0]                                         # (6, 3C)
-        feats = torch.cat([taps, taps[-1:].expand(3, -1)])[None]                    # (1, 9, 3C)
-        ids = torch.tensor([prompt[1:] + [root] + [MASK] * 3])
-        out = head(feats, target.embed(ids), torch.arange(9)[None], head.new_cache(64))
-        want = head.vocab_ids[head.projection()(out[0, -4:]).argmax(-1)].tolist()
+    taps, logits = block_oracle(target, head, prompt, root)
+    want = head.vocab_ids[logits.argmax(-1)].tolist()
     calls = []
     head.register_forward_hook(lambda *a: calls.append(1))
     proposer = EagleProposer(target, head, DraftConfig(4), 256, proj=head.projection(),
@@ -512,6 +519,31 @@ def test_a_block_head_drafts_its_chain_in_one_forward_and_stays_exact():
                                  mask_id=MASK)
         got = generate_spec(target, proposer, prompt, gen)
         assert got.token_ids == generate_ar(target, prompt, gen).token_ids, (depth, temperature)
+
+
+def test_auto_cuts_a_block_where_its_places_stop_paying_their_rows():
+    """--tree-size auto on a block: EAGLE-2's rule on the chain. At a price of `rate` tokens a
+    verified row, a place is kept while its chain's probability (the product of the places'
+    own, up to it) is above the price: none at a high price, all at none; decoding stays
+    plain decoding's whatever the cut."""
+    target = target_for_head().double()
+    head = random_block_head(target)
+    prompt, root = [5, 17, 3, 99, 41, 8], 77
+    taps, logits = block_oracle(target, head, prompt, root)
+    full = head.vocab_ids[logits.argmax(-1)].tolist()
+    chained = logits.softmax(-1).max(-1).values.cumprod(0)                          # (4,)
+    for rate in (2.0, 0.0, float(chained[1] + chained[2]) / 2):
+        rule = SizeRule(4, [[1.0]] * 4, verify_ms=lambda k: float(k), rate=rate)
+        proposer = EagleProposer(target, head, DraftConfig(4, rule=rule), 256,
+                                 proj=head.projection(), mask_id=MASK)
+        proposer.start(prompt, taps)
+        kept = int((chained > rate).sum())
+        assert proposer.propose(root, GenConfig(8), None)[0].tokens.tolist() == \
+            [root] + full[:kept], rate
+        gen = GenConfig(max_new_tokens=40)
+        got = generate_spec(target, proposer, prompt, gen)
+        assert got.token_ids == generate_ar(target, prompt, gen).token_ids, rate
+    assert 0 < kept < 4, "the middle price cut nothing, or everything"
 
 
 def test_block_training_rows_see_what_the_masks_see_at_inference():
@@ -580,17 +612,24 @@ def test_a_block_head_trains_saves_and_drafts_under_method_block(tmp_path):
     masks = [r[1] for r in record["losses"]]
     assert sum(masks[-5:]) < sum(masks[:5]) - 2.0, f"masks' ce {masks[:5]} -> {masks[-5:]}"
     config.block, config.mask_token = 3, 60
+    config.accuracy = [[0.6], [0.2], [0.05]]     # by place, as training measures it: auto's prices
     th.save_head(head.eval(), config, str(tmp_path / "h"))
     assert folder_kind(str(tmp_path / "h")) == "block"
     assert head_folder([str(tmp_path / "h")], "eagle")[1] != "block", "eagle2 took a block head"
-    proposer = build_head(method_config("block", heads=(str(tmp_path / "h"),)), target, 256)[0]
-    assert proposer.mask_id == 60 and proposer.max_nodes == 3         # the default block of 2
-    calls = []
-    proposer.head.register_forward_hook(lambda *a: calls.append(1))
+    from costs import Priced
     prompt = seqs[0].tokens[:seqs[0].prompt_len].tolist()           # a prompt it learned
-    out = generate_spec(target, proposer, prompt, GenConfig(20))
-    assert out.token_ids == generate_ar(target, prompt, GenConfig(20)).token_ids
-    assert sum(out.accepted) > 0 and len(calls) == out.target_forwards - 1
+    assert method_config("block").tree_size == "auto"              # the default: the chain cut
+    for size, cut in ((0, False), ("auto", True)):
+        mc = method_config("block", tree_size=size, heads=(str(tmp_path / "h"),))
+        proposer, sizer, _ = build_head(mc, target, 256)
+        assert proposer.mask_id == 60 and proposer.max_nodes == 4     # the default block of 3
+        assert (proposer.config.rule is not None) == cut and (sizer is not None) == cut
+        calls = []
+        proposer.head.register_forward_hook(lambda *a: calls.append(1))  # noqa: B023
+        out = generate_spec(target, Priced(proposer, sizer) if cut else proposer, prompt,
+                            GenConfig(20))
+        assert out.token_ids == generate_ar(target, prompt, GenConfig(20)).token_ids
+        assert sum(out.accepted) > 0 and len(calls) == out.target_forwards - 1, size
     saved = json.loads((tmp_path / "h" / "config.json").read_text())
     (tmp_path / "h" / "config.json").write_text(json.dumps(saved | {"mask_token": 99999}))
     with pytest.raises(LoadError, match="mask_token 99999 is no token id of the target's"):
