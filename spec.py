@@ -246,7 +246,7 @@ def draft_flags(p) -> None:
                         "step (0: depth x top-k; auto, the default: the most expected tokens/s "
                         "here, from the head's measured accuracy and verify costs measured at "
                         "start; eagle2 re-chooses every step from the draft's probabilities and "
-                        "drafts only rounds that pay; block, auto only: its chain cut so)")
+                        "drafts only rounds that pay; block takes auto only: its chain cut per step)")
     p.add_argument("--ngram-max", type=int,
                    help="prompt lookup: longest n-gram matched against the context (default: "
                         f"{MethodConfig.ngram_max})")
@@ -346,8 +346,8 @@ def check_together(p, args) -> None:
     for flag, value, methods in (
             ("--num-speculative-tokens", args.num_speculative_tokens, METHODS[1:]),
             ("--draft-top-k", args.draft_top_k, ["eagle2", "eagle2+ngram", "eagle3"]),
-            ("--tree-size", args.tree_size, [m for m in HEAD_KIND if args.tree_size == "auto"
-                                             or m != "block"]),
+            ("--tree-size", args.tree_size, [m if m != "block" or args.tree_size == "auto"
+                                             else "block (auto only)" for m in HEAD_KIND]),
             ("--ngram-max", args.ngram_max, ["ngram", "eagle2+ngram"]),
             ("--draft", args.draft, ["draft", "draft-chain"])):
         if value is not None and method not in methods:     # else silently without effect

@@ -124,7 +124,8 @@ SPEC_CASES = [
      "holds eagle3 heads, which only eagle, eagle2, eagle2+ngram, eagle3 draft with"),
     (["--model", "{good}", "--method", "eagle2"], "eagle"),          # heads of another model
     (["--model", "{good}", "--method", "block"], "--method block needs --head DIR, a block head"),
-    (["--method", "block", "--tree-size", "4"], "--tree-size does not apply to --method block"),
+    (["--method", "block", "--tree-size", "4"], "--tree-size does not apply to --method block; "
+     "it shapes medusa, eagle, eagle2, eagle2+ngram, eagle3, block (auto only)"),
     (["--model", "{good}", "--raw", "--prompt", " x" * 300], "longer than the model's context"),
     (["--model", "{good}", "--raw", "--prompt", ""], "the prompt is empty"),
     (["--model", "{small}"], "{small}: the tokenizer has 49152 tokens, the model's embedding 97"),
